@@ -1,0 +1,86 @@
+"""Turning the scheduler's work list into a ForwardBatch, plus the plan for reading its outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from weft.runtime.core import ForwardBatch, Req
+from weft.runtime.memory import MemoryManager
+
+
+@dataclass
+class RowPlan:
+    """Which hidden rows of a step belong to one request, and what they are for."""
+
+    req: Req
+    num_tokens: int
+    sample_row: int | None = None  # row whose logits pick the next token
+    prompt_rows: list[int] = field(default_factory=list)  # rows scored for prompt logprobs
+    prompt_positions: list[int] = field(default_factory=list)  # the position each row predicts
+
+
+def build_batch(
+    work: list[tuple[Req, int]], memory: MemoryManager, device: torch.device
+) -> tuple[ForwardBatch, list[RowPlan]]:
+    """Allocates the step's KV slots and lays the requests' new tokens out contiguously."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[torch.Tensor] = []
+    rows, seq_lens, prefix_lens, ext_lens, logits_rows = [], [], [], [], []
+    plans = []
+    for req, n in work:
+        start = req.kv_len
+        slots.append(memory.allocate(req, n))
+        ids.extend(req.fill_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        rows.append(req.req_pool_idx)
+        seq_lens.append(start + n)
+        prefix_lens.append(start)
+        ext_lens.append(n)
+        plan = RowPlan(req, n)
+        base = len(ids) - n
+        for q in _scored_positions(req, start, n):
+            plan.prompt_rows.append(len(logits_rows))
+            plan.prompt_positions.append(q + 1)
+            logits_rows.append(base + q - start)
+        if start + n == req.seq_len and not _scoring_only(req):
+            plan.sample_row = len(logits_rows)
+            logits_rows.append(base + n - 1)
+        plans.append(plan)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    batch = ForwardBatch(
+        input_ids=tensor(ids),
+        positions=tensor(positions),
+        out_cache_loc=torch.cat(slots).to(device),
+        req_pool_indices=tensor(rows),
+        seq_lens=tensor(seq_lens),
+        prefix_lens=tensor(prefix_lens),
+        extend_lens=tensor(ext_lens),
+        logits_indices=tensor(logits_rows),
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=prefix_lens,
+        extend_lens_cpu=ext_lens,
+    )
+    return batch, plans
+
+
+def _scoring_only(req: Req) -> bool:
+    return req.params.max_new_tokens == 0
+
+
+def _scored_positions(req: Req, start: int, n: int) -> range:
+    """Positions q in this step whose logits score prompt token q + 1 (not yet recorded)."""
+    if req.logprob is None or req.logprob.start_len < 0:
+        return range(0)
+    prompt_len = len(req.input_ids)
+    first_target = max(req.logprob.start_len, 1)
+    # NOTE: after a retraction the prompt is recomputed; positions already scored are skipped.
+    recorded = len(req.input_logprobs) - (1 if req.logprob.start_len == 0 else 0)
+    lo = max(start, first_target - 1 + max(recorded, 0))
+    hi = min(start + n, prompt_len - 1)
+    return range(lo, max(lo, hi))

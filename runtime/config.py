@@ -1,0 +1,93 @@
+"""Engine configuration: one frozen dataclass, one source of defaults.
+
+The CLI flags are generated from these fields (see `weft.cli`); "auto" values are resolved by
+`resolve_config`, a pure function that returns a new config once the model is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = field(
+        default=None,
+        metadata=_help("HF model folder or .gguf file; omitted = the embedded default model"),
+    )
+    tokenizer_path: str | None = field(
+        default=None, metadata=_help("tokenizer folder (defaults to the model's)")
+    )
+    load_format: str = field(
+        default="auto", metadata=_help("weights format", choices=LOAD_FORMATS)
+    )
+    dtype: str = field(default="auto", metadata=_help("compute dtype", choices=DTYPES))
+    device: str = field(default="auto", metadata=_help("cpu, cuda or auto"))
+    context_length: int | None = field(
+        default=None, metadata=_help("max tokens of prompt + output (default: the model's)")
+    )
+    max_total_tokens: int | None = field(
+        default=None, metadata=_help("KV pool size in tokens (default: from memory)")
+    )
+    mem_fraction_static: float = field(
+        default=0.85, metadata=_help("GPU memory fraction for weights + KV pool")
+    )
+    cpu_kv_cache_gb: float = field(
+        default=2.0, metadata=_help("KV pool memory on the CPU when max_total_tokens is unset")
+    )
+    max_running_requests: int = field(
+        default=256, metadata=_help("max requests decoding at once")
+    )
+    chunked_prefill_size: int = field(
+        default=2048, metadata=_help("max prompt tokens prefilled per step (chunked prefill)")
+    )
+    schedule_policy: str = field(
+        default="lpm", metadata=_help("waiting-queue order", choices=SCHEDULE_POLICIES)
+    )
+    disable_radix_cache: bool = field(default=False, metadata=_help("turn the prefix cache off"))
+    attention_backend: str = field(
+        default="auto", metadata=_help("attention implementation", choices=ATTENTION_BACKENDS)
+    )
+    random_seed: int = field(default=0, metadata=_help("seed for requests that set none"))
+    cache_dir: str | None = field(
+        default=None, metadata=_help("where converted GGUF models live (default ~/.cache/weft)")
+    )
+    num_threads: int | None = field(default=None, metadata=_help("CPU threads for torch"))
+    log_level: str = field(default="info", metadata=_help("logging level"))
+    show_progress: bool = field(default=True, metadata=_help("progress bars while loading"))
+
+    def __post_init__(self) -> None:
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for name in ("max_running_requests", "chunked_prefill_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("context_length", "max_total_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

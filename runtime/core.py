@@ -1,0 +1,142 @@
+"""The few central types: a request (`Req`), its finish reason, and the forward batch.
+
+Token bookkeeping of a request (all indices into `fill_ids = input_ids + output_ids`):
+
+    | 0 .......... prefix_len | .......... kv_len | ........ len(fill_ids) |
+    | slots owned by the     | slots owned by   | tokens without KV yet   |
+    | prefix cache (locked)  | this request     | (next extend / decode)  |
+
+A step processes fill_ids[kv_len : kv_len + n]; when it reaches the end of fill_ids the request
+samples one token, which is appended to output_ids (decode is the case n == 1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weft.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that matched
+    message: str | None = None  # why an abort happened
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class LogprobRequest:
+    """What logprobs a request wants back."""
+
+    start_len: int = -1  # first prompt position to score; -1 = output tokens only
+    top_k: int = 0  # top alternatives per position
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    logprob: LogprobRequest | None = None
+    namespace: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    # memory state (see the module docstring)
+    req_pool_idx: int | None = None
+    prefix_len: int = 0
+    kv_len: int = 0
+    cache_node: object = None
+    # progress
+    finish: FinishReason | None = None
+    cached_tokens: int = 0
+    admitted: bool = False
+    retractions: int = 0
+    blocked_by: Req | None = None  # n > 1: children wait for the shared prompt's prefill
+    hidden: bool = False  # internal request (the shared-prompt prefill of n > 1)
+    group_rid: str | None = None  # n > 1: the rid the caller knows; index = which sample
+    index: int = 0
+    generator: torch.Generator | None = None
+    # logprobs: per prompt position from start_len, and per output token
+    input_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] = field(
+        default_factory=list
+    )
+    output_logprobs: list[tuple[float, int, list[tuple[float, int]]]] = field(
+        default_factory=list
+    )
+    # text state, owned by the scheduler's output processor
+    decoder: Any = None
+    sent_len: int = 0  # text characters already reported to the caller
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+
+    def prefix_match_limit(self) -> int:
+        """How many leading tokens may come from the prefix cache.
+
+        NOTE: at least the last token must be computed (its logits pick the next token), and prompt
+        positions that must be scored cannot come from the cache (no logits are kept there).
+        """
+        limit = self.seq_len - 1
+        if self.logprob is not None and self.logprob.start_len >= 0 and not self.output_ids:
+            limit = min(limit, max(self.logprob.start_len - 1, 0))
+        return max(limit, 0)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything a forward pass needs, in the paged layout the attention kernels take.
+
+    T = total new tokens in the step, B = requests in the step.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: the KV slot each new token writes
+    req_pool_indices: torch.Tensor  # [B] int64: rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int64: KV length after this step (prefix + new)
+    prefix_lens: torch.Tensor  # [B] int64: KV already present before this step
+    extend_lens: torch.Tensor  # [B] int64: new tokens per request
+    logits_indices: torch.Tensor  # [K] int64: rows of the T tokens whose logits are needed
+    # host copies for Python-side logic (no device sync needed to read them)
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens_cpu)

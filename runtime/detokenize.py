@@ -1,0 +1,56 @@
+"""Incremental detokenization that never emits half a multi-byte character."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDecoder:
+    """Feeds token ids one step at a time and returns the newly stable text.
+
+    Text is decoded over a short window (`prefix_offset` ..) so that tokenizers that drop a leading
+    space when decoding mid-sequence (SentencePiece) still produce the right delta; a delta ending
+    in U+FFFD is held back until the next token completes the character.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.kwargs = {
+            "skip_special_tokens": skip_special_tokens,
+            "spaces_between_special_tokens": spaces_between_special_tokens,
+        }
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self.kwargs)
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        before = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        now = self._decode(self.ids[self._prefix_offset :])
+        if len(now) <= len(before) or now.endswith(_INCOMPLETE):
+            return ""
+        delta = now[len(before) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is left, incomplete characters included."""
+        before = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        now = self._decode(self.ids[self._prefix_offset :])
+        delta = now[len(before) :] if now.startswith(before) else ""
+        self._prefix_offset = self._read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,384 @@
+"""`weft.Engine`: the scheduler and model in-process, driven by one background thread.
+
+Callers submit requests from any thread (or an asyncio loop); the engine thread runs scheduler
+steps while there is work and hands results back (threading events for `generate`, the caller's
+event loop for `async_generate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weft.runtime.config import EngineConfig
+from weft.runtime.core import LogprobRequest, Req
+from weft.runtime.model_runner import ModelRunner, resolve_source
+from weft.runtime.results import request_output
+from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.scheduler import ReqUpdate, Scheduler
+from weft.runtime.tokenizer import end_token_ids, load_tokenizer
+
+logger = logging.getLogger("weft")
+
+SamplingArg = SamplingParams | dict[str, Any] | None
+
+
+@dataclass
+class _Pending:
+    """A request as the caller sees it: one prompt, n samples."""
+
+    n: int
+    reqs: list[Req] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    on_update: Callable[[_Pending, ReqUpdate | None], None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.reqs) == self.n and all(r.finished for r in self.reqs)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig(model_path=model_path, **kwargs)
+        _setup_logging(self.config.log_level)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        started = time.perf_counter()
+        source = resolve_source(self.config)
+        self.tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
+        self.runner = ModelRunner(self.config, source)
+        self.model_config = self.runner.model_config
+        self.end_ids = end_token_ids(self.tokenizer, self.model_config, source.folder)
+        self.scheduler = Scheduler(self.config, self.runner, self.tokenizer, self.end_ids)
+        self.source = source
+        self._pending: dict[str, _Pending] = {}
+        self._inbox: list[tuple[str, Any]] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._broken: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="weft-engine", daemon=True)
+        self._thread.start()
+        logger.info("engine ready in %.1f s", time.perf_counter() - started)
+
+    # ---- public API ---------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.scheduler.max_seq_len
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: SamplingArg | list[SamplingArg] = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        rid: str | list[str] | None = None,
+        namespace: str = "",
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Blocking generation. A single prompt gives a dict (a list of n dicts if n > 1); a
+        batch gives a flat list in order, n entries per prompt."""
+        reqs, single = self._build(
+            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+            top_logprobs_num, rid, namespace,
+        )
+        pendings = [self._submit(req) for req in reqs]
+        for p in pendings:
+            p.done.wait()
+        outputs = [self._collect(p) for p in pendings]
+        if single:
+            return outputs[0][0] if len(outputs[0]) == 1 else outputs[0]
+        return [o for group in outputs for o in group]
+
+    async def async_generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingArg = None,
+        input_ids: list[int] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        rid: str | None = None,
+        namespace: str = "",
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Awaitable generation of one prompt (a list of n dicts if n > 1)."""
+        outputs = [o async for o in self.generate_stream(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+            top_logprobs_num, rid, namespace, final_only=True,
+        )]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    async def generate_stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingArg = None,
+        input_ids: list[int] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        rid: str | None = None,
+        namespace: str = "",
+        final_only: bool = False,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yields chunks {text (cumulative), output_ids, meta_info, index}; the last chunk of each
+        sample has meta_info.finish_reason set. Cancelling the iterator aborts the request."""
+        reqs, _ = self._build(
+            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+            top_logprobs_num, rid, namespace,
+        )
+        if len(reqs) != 1:
+            raise ValueError("generate_stream takes one prompt")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[ReqUpdate | None] = asyncio.Queue()
+
+        def on_update(_: _Pending, update: ReqUpdate | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, update)
+
+        pending = self._submit(reqs[0], on_update)
+        try:
+            while True:
+                update = await queue.get()
+                if update is None:  # all samples finished, or the engine failed
+                    if pending.error is not None:
+                        raise RuntimeError(f"generation failed: {pending.error}") from pending.error
+                    return
+                req = update.req
+                if final_only and not req.finished:
+                    continue
+                yield request_output(req, self.tokenizer, req.group_rid or req.rid)
+        finally:
+            if not pending.finished:
+                self.abort(reqs[0].rid)
+
+    def abort(self, rid: str) -> None:
+        self._post("abort", rid)
+
+    def check_integrity(self) -> None:
+        """Audit free + cached + in-use == total (runs on the engine thread)."""
+        self.call(self.scheduler.check_integrity)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.call(self.scheduler.memory_stats)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests are running."""
+
+        def flush() -> bool:
+            if self.scheduler.running or self.scheduler.waiting:
+                return False
+            self.scheduler.memory.cache.reset()
+            return True
+
+        return self.call(flush)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps and return its result."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self._post("call", (fn, box, done))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- building requests ------------------------------------------------------------------
+
+    def _build(
+        self,
+        prompt: str | list[str] | None,
+        input_ids: list[int] | list[list[int]] | None,
+        sampling_params: SamplingArg | list[SamplingArg],
+        return_logprob: bool,
+        logprob_start_len: int,
+        top_logprobs_num: int,
+        rid: str | list[str] | None,
+        namespace: str,
+    ) -> tuple[list[Req], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            ids_list = [self._tokenize(p) for p in prompts]
+        else:
+            assert input_ids is not None
+            single = not input_ids or not isinstance(input_ids[0], list)
+            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]  # type: ignore[arg-type]
+        if not ids_list:
+            raise ValueError("prompt batch is empty")
+        params_list = (
+            list(sampling_params)
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(ids_list)
+        )
+        if len(params_list) != len(ids_list):
+            raise ValueError(
+                f"sampling_params has {len(params_list)} entries for {len(ids_list)} prompts"
+            )
+        rids = [rid] if isinstance(rid, str) else (rid or [None] * len(ids_list))
+        if len(rids) != len(ids_list):
+            raise ValueError(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
+        logprob = None
+        if return_logprob:
+            if top_logprobs_num < 0:
+                raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+            logprob = LogprobRequest(start_len=logprob_start_len, top_k=top_logprobs_num)
+        reqs = []
+        for ids, params, r in zip(ids_list, params_list, rids, strict=True):
+            sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
+            sp.validate(self.model_config.vocab_size)
+            self._check_ids(ids)
+            if logprob is not None and logprob.start_len >= len(ids):
+                raise ValueError(
+                    f"logprob_start_len ({logprob.start_len}) must be below the prompt length "
+                    f"({len(ids)})"
+                )
+            reqs.append(
+                Req(rid=r or uuid.uuid4().hex, input_ids=ids, params=sp, logprob=logprob,
+                    namespace=namespace)
+            )
+        return reqs, single
+
+    def _tokenize(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass input_ids instead of prompt")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return list(self.tokenizer.encode(prompt))
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty (no input_ids)")
+        vocab = self.model_config.vocab_size
+        for tid in ids:
+            if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab:
+                raise ValueError(f"input_ids has {tid!r}, not a token id in [0, {vocab})")
+        if len(ids) >= self.context_length:
+            raise ValueError(
+                f"prompt is too long: {len(ids)} tokens, the context length is "
+                f"{self.context_length} (prompt + at least one new token must fit)"
+            )
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _submit(
+        self, req: Req, on_update: Callable[[_Pending, ReqUpdate | None], None] | None = None
+    ) -> _Pending:
+        pending = _Pending(n=req.params.n, on_update=on_update)
+        self._post("add", (req, pending))
+        return pending
+
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._cv:
+            if self._broken is not None:
+                raise RuntimeError(f"the engine failed earlier: {self._broken}") from self._broken
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            self._inbox.append((kind, payload))
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.scheduler.has_work and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                inbox, self._inbox = self._inbox, []
+            try:
+                for kind, payload in inbox:
+                    self._handle(kind, payload)
+                if self.scheduler.has_work:
+                    for update in self.scheduler.step():
+                        self._dispatch(update)
+            except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+                logger.exception("engine step failed")
+                with self._cv:
+                    self._broken = exc
+                self._fail_all(exc)
+                return
+        self._fail_all(RuntimeError("the engine was shut down"))
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            req, pending = payload
+            pending.reqs = self.scheduler.add(req)
+            self._pending[req.rid] = pending
+        elif kind == "abort":
+            self.scheduler.abort(payload)
+        elif kind == "call":
+            fn, box, done = payload
+            try:
+                box["value"] = fn()
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                box["error"] = exc
+            done.set()
+
+    def _dispatch(self, update: ReqUpdate) -> None:
+        key = update.req.group_rid or update.req.rid
+        pending = self._pending.get(key)
+        if pending is None:
+            return
+        if pending.on_update is not None:
+            pending.on_update(pending, update)
+        if pending.finished:
+            del self._pending[key]
+            if pending.on_update is not None:
+                pending.on_update(pending, None)
+            pending.done.set()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for pending in self._pending.values():
+            pending.error = exc
+            if pending.on_update is not None:
+                pending.on_update(pending, None)
+            pending.done.set()
+        self._pending.clear()
+        with self._cv:
+            for kind, payload in self._inbox:
+                if kind == "call":
+                    payload[1]["error"] = RuntimeError(f"engine stopped: {exc}")
+                    payload[2].set()
+            self._inbox.clear()
+
+    def _collect(self, pending: _Pending) -> list[dict[str, Any]]:
+        if pending.error is not None:
+            raise RuntimeError(f"generation failed: {pending.error}") from pending.error
+        return [
+            request_output(r, self.tokenizer, r.group_rid or r.rid)
+            for r in sorted(pending.reqs, key=lambda r: r.index)
+        ]
+
+
+def _setup_logging(level: str) -> None:
+    log = logging.getLogger("weft")
+    log.setLevel(level.upper())
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[weft %(asctime)s] %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)

@@ -1,0 +1,104 @@
+"""Request-level KV memory: prefix matching, slot allocation, release into the prefix cache.
+
+It owns the three memory structures (KV pool, req_to_token rows, prefix cache) and keeps the
+invariant  free + cached + held-by-requests == total, audited by `check_integrity`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from weft.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from weft.runtime.core import Req
+from weft.runtime.kv_pool import KVPool, ReqToTokenPool
+
+
+class MemoryManager:
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, use_cache: bool) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.cache: PrefixCache = (
+            RadixCache(kv_pool.free) if use_cache else NoPrefixCache(kv_pool.free)
+        )
+
+    @property
+    def available(self) -> int:
+        """Slots that can be had now: free plus evictable cache."""
+        return self.kv_pool.num_free + self.cache.evictable_size
+
+    def has_row(self) -> bool:
+        return self.req_to_token.num_free > 0
+
+    def admit(self, req: Req) -> None:
+        """Give the request a row and its cached prefix (locked against eviction)."""
+        row = self.req_to_token.allocate()
+        key = req.fill_ids[: req.prefix_match_limit()]
+        match = self.cache.match_prefix(key, req.namespace)
+        self.cache.lock(match.node)
+        self.req_to_token.write(row, 0, match.slots)
+        req.req_pool_idx = row
+        req.cache_node = match.node
+        req.prefix_len = req.kv_len = match.length
+
+    def allocate(self, req: Req, n: int) -> torch.Tensor:
+        """n new slots for positions kv_len .. kv_len + n of the request (evicting if needed)."""
+        if not self.kv_pool.can_allocate(n):
+            self.cache.evict(n - self.kv_pool.num_free)
+        slots = self.kv_pool.allocate(n)
+        assert req.req_pool_idx is not None
+        self.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
+        return slots
+
+    def release(self, req: Req) -> None:
+        """Hand the request's KV to the prefix cache (or free it) and give back its row."""
+        row = req.req_pool_idx
+        if row is None:
+            return
+        slots = self.req_to_token.read(row, 0, req.kv_len)
+        if self.cache.enabled:
+            key = req.fill_ids[: req.kv_len]
+            already = self.cache.insert(key, slots, req.namespace)
+            # NOTE: slots[:prefix_len] are the cache's own (we matched them); slots computed by
+            # this request for tokens another request cached meanwhile are duplicates.
+            self.kv_pool.free(slots[req.prefix_len : already])
+        else:
+            self.kv_pool.free(slots[req.prefix_len :])
+        self.cache.unlock(req.cache_node)
+        self.req_to_token.free(row)
+        req.req_pool_idx = None
+        req.cache_node = None
+        req.prefix_len = req.kv_len = 0
+
+    def held_by(self, reqs: Iterable[Req]) -> int:
+        return sum(r.kv_len - r.prefix_len for r in reqs if r.req_pool_idx is not None)
+
+    def check_integrity(self, live: Iterable[Req]) -> None:
+        """free + cached + held by live requests == total; raises AssertionError otherwise."""
+        live = list(live)
+        free, cached, held = self.kv_pool.num_free, self.cache.total_size, self.held_by(live)
+        total = self.kv_pool.size
+        if free + cached + held != total:
+            raise AssertionError(
+                f"KV pool integrity broken: free {free} + cached {cached} + in-use {held} "
+                f"!= total {total}"
+            )
+        self.cache.check_invariants()
+        owned = [
+            self.req_to_token.read(r.req_pool_idx, r.prefix_len, r.kv_len)
+            for r in live
+            if r.req_pool_idx is not None
+        ]
+        slots = torch.cat([self.kv_pool.free_slots(), *owned])
+        if slots.unique().numel() != slots.numel():
+            raise AssertionError("KV pool integrity broken: a slot is both free and in use")
+
+    def stats(self, live: Iterable[Req]) -> dict[str, int]:
+        return {
+            "total": self.kv_pool.size,
+            "free": self.kv_pool.num_free,
+            "cached": self.cache.total_size,
+            "evictable": self.cache.evictable_size,
+            "in_use": self.held_by(live),
+        }

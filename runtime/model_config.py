@@ -1,0 +1,87 @@
+"""The model's shape, read from config.json (both the classic and the transformers-5 layout)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{source}: missing 'architectures'")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+            scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+            if scaling is not None:
+                scaling.pop("rope_theta", None)
+                scaling.pop("type", None)
+            return cls(
+                architecture=archs[0],
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
+                rope_scaling=scaling,
+                torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_as_ids(raw.get("eos_token_id")),
+            )
+        except KeyError as exc:
+            raise ValueError(f"{source}: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: invalid value: {exc}") from None
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelConfig:
+        path = folder / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {folder}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        return cls.from_dict(raw, source=str(path))
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,164 @@
+"""Model executor: resolves the model source, builds the model, sizes the KV pool, runs steps."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from weft.runtime.attention import AttentionBackend, TorchAttention
+from weft.runtime.config import EngineConfig
+from weft.runtime.core import ForwardBatch
+from weft.runtime.kv_pool import KVPool, ReqToTokenPool
+from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
+from weft.runtime.model_config import ModelConfig
+from weft.runtime.models.registry import model_class
+
+logger = logging.getLogger("weft")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    folder: Path  # HF-layout folder: config.json, weights, tokenizer files
+    tokenizer_folder: Path | None
+    load_format: str  # safetensors | dummy
+    display_path: str  # what the user asked for
+
+
+def resolve_source(config: EngineConfig) -> ModelSource:
+    """Find (or build, for GGUF) the HF-layout folder the model loads from."""
+    from weft.runtime.loaders.default_model import default_cache_root
+
+    cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
+    if config.model_path is None:
+        from weft.runtime.loaders.default_model import default_model_gguf
+
+        path = default_model_gguf(cache_root)
+        display = "default:Qwen2.5-Coder-0.5B-Instruct"
+    else:
+        path = Path(config.model_path).expanduser()
+        display = config.model_path
+        if not path.exists():
+            raise FileNotFoundError(f"model_path {config.model_path!r} does not exist")
+    fmt = config.load_format
+    if path.is_file() or fmt == "gguf":
+        if fmt not in ("auto", "gguf"):
+            raise ValueError(f"load_format {fmt!r} needs a model folder, got the file {path}")
+        from weft.runtime.loaders.gguf_convert import convert_gguf
+
+        folder = convert_gguf(path, cache_root, _gguf_dtype(config))
+        fmt = "safetensors"
+    else:
+        folder = path
+        fmt = "safetensors" if fmt == "auto" else fmt
+    tok = Path(config.tokenizer_path).expanduser() if config.tokenizer_path else folder
+    has_tokenizer = (tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()
+    return ModelSource(folder, tok if has_tokenizer else None, fmt, display)
+
+
+def _gguf_dtype(config: EngineConfig) -> torch.dtype:
+    return _DTYPES.get(config.dtype, torch.bfloat16)
+
+
+def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    stored = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        model.torch_dtype or "", torch.bfloat16
+    )
+    if device.type == "cpu" and stored == torch.float16:
+        return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has the same storage cost
+    return stored
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+    return device
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_folder(source.folder)
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.model_config, self.device)
+        cls = model_class(self.model_config.architecture)
+        max_ctx = config.context_length or self.model_config.max_position_embeddings
+        self.context_length = max_ctx
+        cfg = self.model_config
+        if max_ctx > cfg.max_position_embeddings:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, max_position_embeddings=max_ctx)
+        with torch.device(self.device):
+            self.model = cls(cfg, self.dtype)
+        self._load_weights(source)
+        self.model.eval()
+        self.kv_pool = KVPool(
+            self._pool_size(),
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.req_to_token = ReqToTokenPool(config.max_running_requests + 8, max_ctx, self.device)
+        self.attention: AttentionBackend = TorchAttention(self.kv_pool, self.req_to_token)
+        logger.info(
+            "model %s: %s, %s on %s, KV pool %d tokens (%.2f GB)",
+            source.display_path,
+            cfg.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            self.kv_pool.size,
+            self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
+        )
+
+    def _load_weights(self, source: ModelSource) -> None:
+        if source.load_format == "dummy":
+            init_dummy(self.model, self.config.random_seed)
+            return
+        files = safetensors_files(source.folder)
+        weights = iter_safetensors(files, self.device, self.config.show_progress)
+        with torch.no_grad():
+            loaded = self.model.load_weights(weights)  # type: ignore[operator]
+        expected = {n for n, _ in self.model.named_parameters()}
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint in {source.folder} lacks {len(missing)} tensor(s): {shown}")
+
+    def _pool_size(self) -> int:
+        cfg, config = self.model_config, self.config
+        if config.max_total_tokens is not None:
+            return config.max_total_tokens
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - config.mem_fraction_static)
+            if budget <= per_token * self.context_length:
+                raise ValueError(
+                    "not enough GPU memory for the KV cache: raise mem_fraction_static or lower "
+                    "context_length"
+                )
+            return int(budget // per_token)
+        budget_tokens = int(config.cpu_kv_cache_gb * 1e9 // per_token)
+        return max(min(budget_tokens, 4 * self.context_length), 1024)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [K, hidden] of the rows in batch.logits_indices."""
+        return self.model(batch, self.attention)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[K, hidden] -> [K, vocab] float32."""
+        return self.model.compute_logits(hidden)  # type: ignore[operator]

@@ -1,0 +1,118 @@
+"""Shared model layers. Each parameter that is stored merged (qkv, gate_up) knows how to load its
+shards, so architecture files stay short.
+
+NOTE (tensor parallelism, later): the column-parallel (qkv, gate_up) and row-parallel (o, down)
+linears are separate classes so that a tp split drops in here without touching the models.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ColumnLinear(nn.Module):
+    """y = x W^T (+ b), W stored as several row blocks loaded one shard at a time."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
+        self.shard_sizes = shard_sizes
+        out = sum(shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
+        target = self.weight if param_name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"unexpected {param_name} for a linear without one")
+        start, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        _copy_checked(target.data[start : start + size], tensor, f"{param_name} shard {shard}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); the sum is the next residual."""
+        if residual is not None:
+            x = x + residual
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        normed = (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+        return self.weight * normed, x
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float64), with Llama-3.1 or linear scaling."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return inv
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_ctx / wavelen) - low) / (high - low)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > old_ctx / low, inv / factor, blended)
+        return torch.where(wavelen < old_ctx / high, inv, out)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE (the HF layout) over precomputed cos/sin tables."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv = rope_inv_freq(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.head_dim = head_dim
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] -> same shape and dtype."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"{what}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+    target.copy_(tensor)
+
+
+def load_plain(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    _copy_checked(param.data, tensor, name)

@@ -1,0 +1,138 @@
+"""Llama (2, 3, 3.1) decoder; Qwen2 reuses it with qkv bias (see qwen2.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weft.runtime.attention import AttentionBackend
+from weft.runtime.core import ForwardBatch
+from weft.runtime.model_config import ModelConfig
+from weft.runtime.models.layers import ColumnLinear, RMSNorm, Rotary, RowLinear, load_plain
+
+# HF checkpoint name -> (merged parameter, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, dtype: torch.dtype):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.splits = [q_size, kv_size, kv_size]
+        self.qkv_proj = ColumnLinear(cfg.hidden_size, self.splits, cfg.attention_bias, dtype)
+        self.o_proj = RowLinear(q_size, cfg.hidden_size, dtype)
+        self.rotary = rotary
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim))
+        k = self.rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attn.forward(q, k, v, self.layer, batch))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], False, dtype)
+        self.down_proj = RowLinear(inter, cfg.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, rotary, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, batch, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rotary, dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, dtype)
+        )
+        self.rotary = rotary
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states [K, hidden] of the tokens in `batch.logits_indices`."""
+        attn.prepare(batch)
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch.positions, batch, attn)
+        x, _ = self.norm(x, residual)
+        return x[batch.logits_indices]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of the parameters that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the checkpoint repeats the embedding
+            module_name, _, leaf = name.rpartition(".")  # leaf: weight | bias
+            parent, _, proj = module_name.rpartition(".")
+            if proj in _STACKED:
+                merged, shard = _STACKED[proj]
+                module = self.get_submodule(f"{parent}.{merged}")
+                assert isinstance(module, ColumnLinear)
+                module.load_shard(leaf, shard, tensor)
+                loaded.add(f"{parent}.{merged}.{leaf}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            load_plain(params[name], tensor, name)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,23 @@
+"""Architectures by their HF `architectures` name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from weft.runtime.models.llama import LlamaForCausalLM
+from weft.runtime.models.qwen2 import Qwen2ForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise ValueError(
+            f"unknown architecture {architecture!r} in config.json: weft supports {known}"
+        ) from None

@@ -1,0 +1,107 @@
+"""Turning logits into tokens: penalties, min_new_tokens, temperature, top-k/top-p/min-p, seeds.
+
+Logprobs are reported from the model's raw distribution (log_softmax of the logits, before
+penalties and temperature), as vLLM and SGLang do by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weft.runtime.core import Req
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of the chosen tokens
+    top: list[list[tuple[float, int]]] | None  # per row, the top alternatives asked for
+
+
+def sample(logits: torch.Tensor, reqs: list[Req], end_ids: frozenset[int]) -> Sampled:
+    """logits: [B, V] float32, one row per request in `reqs` (rows may be modified)."""
+    want_logprobs = any(r.logprob is not None for r in reqs)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    _apply_penalties(logits, reqs)
+    _block_early_stop(logits, reqs, end_ids)
+
+    chosen = torch.argmax(logits, dim=-1)  # greedy rows are done here
+    sampled_rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [reqs[i] for i in sampled_rows])
+        for j, i in enumerate(sampled_rows):
+            chosen[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
+
+    ids = chosen.tolist()
+    if raw_logprobs is None:
+        return Sampled(ids, None, None)
+    picked = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    top = [
+        top_logprobs(raw_logprobs[i], r.logprob.top_k) if r.logprob else []
+        for i, r in enumerate(reqs)
+    ]
+    return Sampled(ids, picked, top)
+
+
+def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    if k <= 0:
+        return []
+    values, indices = torch.topk(row, min(k, row.shape[-1]))
+    return list(zip(values.tolist(), indices.tolist(), strict=True))
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> None:
+    for i, req in enumerate(reqs):
+        p = req.params
+        if not p.has_penalties:
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            # HF semantics: over prompt and output tokens, divide positive logits, scale negatives
+            seen = torch.tensor(sorted(set(req.fill_ids)), device=row.device, dtype=torch.int64)
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if req.output_ids and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            # OpenAI semantics: over output tokens only
+            out = torch.tensor(req.output_ids, device=row.device, dtype=torch.int64)
+            counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _block_early_stop(logits: torch.Tensor, reqs: list[Req], end_ids: frozenset[int]) -> None:
+    for i, req in enumerate(reqs):
+        p = req.params
+        if len(req.output_ids) >= p.min_new_tokens:
+            continue
+        blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(end_ids))
+        if blocked:
+            logits[i, sorted(blocked)] = float("-inf")
+
+
+def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """Probabilities [R, V] after temperature, top-k, top-p and min-p."""
+    temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    top_k = [r.params.top_k for r in reqs]
+    top_p = [r.params.top_p for r in reqs]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[-1]
+        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
+        ranks = torch.arange(vocab, device=probs.device)[None, :]
+        drop = ranks >= ks[:, None]
+        ps = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
+        drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= ps[:, None]
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    min_p = torch.tensor([r.params.min_p for r in reqs], device=probs.device, dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        peak = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < min_p[:, None] * peak, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)

@@ -1,0 +1,116 @@
+"""Per-request sampling parameters, validated so that a bad field is named in the error."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# NOTE: the field names follow SGLang's sampling_params so that its clients work unchanged.
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == 0:
+            self.top_k = -1
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request dict; explicit nulls mean "default"; unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in (values or {}).items():
+            if key not in known:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+            if value is not None:
+                kwargs[key] = value
+        params = cls(**kwargs)
+        params.validate()
+        return params
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first invalid field."""
+        _int("max_new_tokens", self.max_new_tokens, low=0)
+        _int("min_new_tokens", self.min_new_tokens, low=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        _num("temperature", self.temperature, low=0.0)
+        _num("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _int("top_k", self.top_k, low=-1)
+        _num("min_p", self.min_p, low=0.0, high=1.0)
+        _num("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _num("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _num("repetition_penalty", self.repetition_penalty, low=0.0, high=2.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        for tid in self.stop_token_ids:
+            if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {tid!r}")
+            if vocab_size is not None and tid >= vocab_size:
+                raise ValueError(f"stop_token_ids entry {tid} is outside the vocabulary ({vocab_size})")
+        _int("n", self.n, low=1)
+        if self.seed is not None:
+            _int("seed", self.seed, low=0)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _num(name: str, value: Any, low: float, high: float | None = None) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
