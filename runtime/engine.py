@@ -92,7 +92,7 @@ class Engine:
             prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
             top_logprobs_num, rid, namespace,
         )
-        pendings = [self._submit(req) for req in reqs]
+        pendings = self._submit_all(reqs)
         for p in pendings:
             p.done.wait()
         outputs = [self._collect(p) for p in pendings]
@@ -142,6 +142,7 @@ class Engine:
         queue: asyncio.Queue[ReqUpdate | None] = asyncio.Queue()
 
         def on_update(_: _Pending, update: ReqUpdate | None) -> None:
+            # NOTE: raises RuntimeError once the caller's loop is closed; _dispatch then aborts.
             loop.call_soon_threadsafe(queue.put_nowait, update)
 
         pending = self._submit(reqs[0], on_update)
@@ -153,9 +154,12 @@ class Engine:
                         raise RuntimeError(f"generation failed: {pending.error}") from pending.error
                     return
                 req = update.req
-                if final_only and not req.finished:
+                if final_only and not update.finished:
                     continue
-                yield request_output(req, self.tokenizer, req.group_rid or req.rid)
+                chunk = request_output(req, self.tokenizer, req.group_rid or req.rid)
+                chunk["text"] = update.text
+                chunk["output_ids"] = chunk["output_ids"][: update.num_output_ids]
+                yield chunk
         finally:
             if not pending.finished:
                 self.abort(reqs[0].rid)
@@ -186,7 +190,9 @@ class Engine:
         box: dict[str, Any] = {}
         done = threading.Event()
         self._post("call", (fn, box, done))
-        done.wait()
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                raise RuntimeError("the engine thread is not running")
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -290,8 +296,14 @@ class Engine:
         self, req: Req, on_update: Callable[[_Pending, ReqUpdate | None], None] | None = None
     ) -> _Pending:
         pending = _Pending(n=req.params.n, on_update=on_update)
-        self._post("add", (req, pending))
+        self._post("add", [(req, pending)])
         return pending
+
+    def _submit_all(self, reqs: list[Req]) -> list[_Pending]:
+        """One message for the whole batch, so the scheduler sees it at once."""
+        pendings = [_Pending(n=req.params.n) for req in reqs]
+        self._post("add", list(zip(reqs, pendings, strict=True)))
+        return pendings
 
     def _post(self, kind: str, payload: Any) -> None:
         with self._cv:
@@ -326,9 +338,9 @@ class Engine:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            req, pending = payload
-            pending.reqs = self.scheduler.add(req)
-            self._pending[req.rid] = pending
+            for req, pending in payload:
+                pending.reqs = self.scheduler.add(req)
+                self._pending[req.rid] = pending
         elif kind == "abort":
             self.scheduler.abort(payload)
         elif kind == "call":
@@ -344,19 +356,30 @@ class Engine:
         pending = self._pending.get(key)
         if pending is None:
             return
-        if pending.on_update is not None:
-            pending.on_update(pending, update)
+        if not self._notify(pending, update):
+            # the caller went away (its event loop closed): stop generating for it
+            del self._pending[key]
+            self.scheduler.abort(key)
+            return
         if pending.finished:
             del self._pending[key]
-            if pending.on_update is not None:
-                pending.on_update(pending, None)
+            self._notify(pending, None)
             pending.done.set()
+
+    @staticmethod
+    def _notify(pending: _Pending, update: ReqUpdate | None) -> bool:
+        if pending.on_update is None:
+            return True
+        try:
+            pending.on_update(pending, update)
+        except RuntimeError:
+            return False
+        return True
 
     def _fail_all(self, exc: BaseException) -> None:
         for pending in self._pending.values():
             pending.error = exc
-            if pending.on_update is not None:
-                pending.on_update(pending, None)
+            self._notify(pending, None)
             pending.done.set()
         self._pending.clear()
         with self._cv:

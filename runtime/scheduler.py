@@ -38,6 +38,16 @@ class ReqUpdate:
     req: Req
     text_delta: str
     num_new_tokens: int
+    # snapshots: the Req itself keeps changing on the engine thread
+    finished: bool = False
+    text: str = ""  # text reported so far (a held-back stop-string prefix excluded)
+    num_output_ids: int = 0
+
+    def __post_init__(self) -> None:
+        self.finished = self.req.finished
+        decoder = self.req.decoder
+        self.text = decoder.text[: self.req.sent_len] if decoder is not None else ""
+        self.num_output_ids = len(self.req.output_ids)
 
 
 class Scheduler:
@@ -63,6 +73,7 @@ class Scheduler:
         self._seeds = itertools.count(config.random_seed * 1_000_003)
         self.num_retractions = 0
         self.num_steps = 0
+        self.peak_running = 0
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -132,6 +143,7 @@ class Scheduler:
         hidden = self.runner.forward(batch)
         self._read_outputs(hidden, plans)
         self.num_steps += 1
+        self.peak_running = max(self.peak_running, len(self.running))
         for plan in plans:
             req = plan.req
             if req.finished:

@@ -23,3 +23,37 @@ def fixture_path(*parts: str) -> Path:
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     return fixture_path("models", "stories260K-hf")
+
+
+# ---- engines: built once per module, audited after every test ----------------------------
+
+_LIVE_ENGINES: list = []
+
+
+def make_engine(model_path, **kwargs):
+    """An Engine registered for the after-test integrity audit (and shut down at session end)."""
+    from weft import Engine
+
+    kwargs.setdefault("show_progress", False)
+    kwargs.setdefault("log_level", "warning")
+    engine = Engine(str(model_path), **kwargs)
+    _LIVE_ENGINES.append(engine)
+    return engine
+
+
+@pytest.fixture(autouse=True)
+def _audit_kv_integrity():
+    """After every test: free + cached + in-use == total in every live engine, nothing running."""
+    yield
+    for engine in list(_LIVE_ENGINES):
+        if engine._stopped:
+            _LIVE_ENGINES.remove(engine)
+            continue
+        engine.check_integrity()
+        stats = engine.memory_stats()
+        assert stats["in_use"] == 0, f"KV still held after the test: {stats}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for engine in _LIVE_ENGINES:
+        engine.shutdown()

@@ -1,0 +1,63 @@
+"""Random small HF checkpoints (saved as real model folders) to compare weft against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+CONFIGS = {
+    "llama-gqa-untied": dict(
+        arch="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+    ),
+    "llama31-scaled-tied": dict(
+        arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    ),
+    "qwen2-bias": dict(
+        arch="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    ),
+}
+
+VOCAB = 160
+
+
+def save_random_model(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    spec = dict(CONFIGS[name])
+    arch = spec.pop("arch")
+    cls_cfg = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    config = cls_cfg(
+        vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **spec,
+    )
+    torch.manual_seed(seed)
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    model = cls(config).float().eval()
+    with torch.no_grad():  # HF initialises biases to zero: make them matter
+        for pname, param in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model: transformers.PreTrainedModel, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), vocab] log-softmax of the logits at every position (float64)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1)
