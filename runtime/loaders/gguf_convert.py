@@ -1,0 +1,588 @@
+"""Convert a GGUF file (llama, qwen2) into a Hugging Face-style model folder, cached on disk.
+
+The engine's HF loader then reads the folder like any checkpoint. Layout of the output:
+
+    config.json  generation_config.json  tokenizer.json  tokenizer_config.json
+    chat_template.jinja  model.safetensors (or model-0000k-of-0000n.safetensors + index)
+    weft-converted.json   <- written last; its presence marks a complete conversion
+
+Tensors are dequantized one at a time (large ones in row chunks) and streamed straight into
+the safetensors files, so peak memory stays near one chunk, not one model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+logger = logging.getLogger("weft")
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MARKER = "weft-converted.json"
+SHARD_BYTES = 2 * 1024**3
+# Bump when the output layout changes, so older cache folders are rebuilt.
+_FORMAT_VERSION = 1
+_CHUNK_BYTES = 64 << 20
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# Text of end-of-generation control tokens; a GGUF names only one eos id, but chat models also
+# stop on these (Qwen's <|endoftext|>, Llama-3's <|eot_id|>/<|end_of_text|>/<|eom_id|>).
+_END_TOKEN_TEXTS = frozenset(
+    {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>",
+     "<|end|>", "<end_of_turn>", "<EOT>", "<|return|>"}
+)  # fmt: skip
+_TOKEN_TYPE_CONTROL = 3
+
+# GGUF per-layer tensor name -> HF name under model.layers.{i}.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One HF tensor to write: where it comes from and what to do to it."""
+
+    name: str
+    shape: tuple[int, ...]  # HF (PyTorch) order: [out, in]
+    source: Any  # gguf ReaderTensor, or None for an all-zero tensor
+    unpermute_heads: int = 0  # >0: undo llama.cpp's q/k row permutation over this many heads
+
+
+def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) -> Path:
+    """The HF-style folder for `gguf_path` in `dtype`, converting it on first use.
+
+    Raises FileNotFoundError for a missing file and ValueError for anything this converter
+    cannot read (not GGUF, truncated, unknown architecture or tensor type).
+    """
+    src = Path(gguf_path).expanduser().resolve()
+    if not src.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {src}")
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"cannot convert {src} to {dtype}: choose float32, float16 or bfloat16")
+    stat = src.stat()
+    marker = _marker_content(src, stat, dtype)
+    out = Path(cache_root) / f"{src.stem}-{_source_key(src, stat)}-{marker['dtype']}"
+    if _read_json(out / MARKER) == marker:
+        logger.info("using converted model cached at %s", out)
+        return out
+
+    reader = _open_reader(src)
+    config, entries = _plan(reader, src, dtype)
+    template = _meta(reader, "tokenizer.chat_template", src, None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", _generation_config(config))
+        _write_weights(tmp, entries, dtype, desc=f"converting {src.name}")
+        del reader, entries  # release the file mapping; the tokenizer step reads the file itself
+        _save_tokenizer(src, tmp, template)
+        _write_json(tmp / MARKER, marker)
+        _publish(tmp, out, marker)
+    finally:
+        # NOTE: an interrupted conversion leaves no folder under the final name.
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s; cached at %s", src.name, out)
+    return out
+
+
+# -- cache ---------------------------------------------------------------------------------------
+
+
+def _source_key(src: Path, stat: os.stat_result) -> str:
+    # Cheap identity: path + size + mtime, never the contents (hashing 500 MB per load is slow).
+    ident = f"{src}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+
+
+def _marker_content(src: Path, stat: os.stat_result, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "source": str(src),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "dtype": str(dtype).removeprefix("torch."),
+        "format": _FORMAT_VERSION,
+        "weft_version": _weft_version(),
+    }
+
+
+def _weft_version() -> str:
+    try:
+        return importlib.metadata.version("weft")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _publish(tmp: Path, out: Path, marker: dict[str, Any]) -> None:
+    """Move the finished temp folder to `out` in one rename."""
+    if out.exists():
+        if _read_json(out / MARKER) == marker:
+            return  # another process finished the same conversion first
+        shutil.rmtree(out)  # stale: no marker (older layout) or a different marker
+    os.rename(tmp, out)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+# -- reading the GGUF ----------------------------------------------------------------------------
+
+
+def _open_reader(src: Path) -> gguf.GGUFReader:
+    with src.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{src} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(src)
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:
+        raise ValueError(f"{src} is truncated or corrupt: cannot read its GGUF header ({e})") from e
+    if reader.byte_order != "I":
+        raise ValueError(f"{src} is a big-endian GGUF file; weft reads little-endian files only")
+    size = src.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(
+                f"{src} is truncated: tensor {t.name!r} needs bytes up to "
+                f"{t.data_offset + t.n_bytes}, the file has {size}"
+            )
+    return reader
+
+
+def _meta(reader: gguf.GGUFReader, key: str, src: Path, default: Any = ...) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        if default is ...:
+            raise ValueError(f"{src} lacks the metadata field {key!r}")
+        return default
+    value = field.contents()
+    if field.types == [gguf.GGUFValueType.FLOAT32]:
+        # keep the float32's shortest decimal form (1e-06, not 9.99999997e-07)
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _check_dequantizable(reader: gguf.GGUFReader, src: Path) -> None:
+    """Fail before any work when a tensor type has no dequantizer in `gguf.quants`."""
+    by_type: dict[gguf.GGMLQuantizationType, str] = {}
+    for t in reader.tensors:
+        by_type.setdefault(t.tensor_type, t.name)
+    for qtype, name in by_type.items():
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        try:
+            gguf.quants.dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
+        except NotImplementedError:
+            raise ValueError(
+                f"unsupported tensor type {qtype.name} (tensor {name!r}) in {src}"
+            ) from None
+
+
+# -- the plan: config + tensor list --------------------------------------------------------------
+
+
+def _plan(
+    reader: gguf.GGUFReader, src: Path, dtype: torch.dtype
+) -> tuple[dict[str, Any], list[_Entry]]:
+    arch = _meta(reader, "general.architecture", src)
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"unknown architecture {arch!r} in {src}: weft supports {', '.join(ARCHITECTURES)}"
+        )
+    _check_dequantizable(reader, src)
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{src} has no token_embd.weight tensor")
+    config = _hf_config(reader, src, arch, tensors, dtype)
+    return config, _entries(tensors, config, arch, src)
+
+
+def _hf_config(
+    reader: gguf.GGUFReader, src: Path, arch: str, tensors: dict[str, Any], dtype: torch.dtype
+) -> dict[str, Any]:
+    hidden = int(_meta(reader, f"{arch}.embedding_length", src))
+    heads = int(_meta(reader, f"{arch}.attention.head_count", src))
+    head_dim = int(_meta(reader, f"{arch}.attention.key_length", src, hidden // heads))
+    theta = float(_meta(reader, f"{arch}.rope.freq_base", src, 10000.0))
+    rope_dims = int(_meta(reader, f"{arch}.rope.dimension_count", src, head_dim))
+    if rope_dims != head_dim:
+        raise ValueError(
+            f"{src}: partial rotary embeddings ({rope_dims} of {head_dim}) unsupported"
+        )
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id", src, None)
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        # GGUF shapes are reversed: token_embd is [hidden, vocab] in the file.
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length", src)),
+        "num_hidden_layers": int(_meta(reader, f"{arch}.block_count", src)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_meta(reader, f"{arch}.attention.head_count_kv", src, heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(_meta(reader, f"{arch}.context_length", src)),
+        "rms_norm_eps": float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", src)),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(reader, src, arch, tensors, theta, head_dim),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": bos,
+        "eos_token_id": _end_token_ids(reader, src),
+        # transformers 5 reads `dtype`; older readers (and the brief) use `torch_dtype`.
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    pad = _meta(reader, "tokenizer.ggml.padding_token_id", src, None)
+    if pad is not None:
+        config["pad_token_id"] = pad
+    return config
+
+
+def _end_token_ids(reader: gguf.GGUFReader, src: Path) -> list[int]:
+    """Every end-of-generation id: the metadata's eos/eot/eom, then known end-token texts."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = _meta(reader, f"tokenizer.ggml.{key}", src, None)
+        if value is not None and value not in ids:
+            ids.append(int(value))
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    types = reader.get_field("tokenizer.ggml.token_type")
+    if tokens is None:
+        return ids
+    type_list = types.contents() if types is not None else None
+    # NOTE: only control tokens count: a vocabulary may also hold "<EOT>" as ordinary text.
+    for i, idx in enumerate(tokens.data):
+        if type_list is not None and type_list[i] != _TOKEN_TYPE_CONTROL:
+            continue
+        if bytes(tokens.parts[idx]).decode("utf-8", "replace") in _END_TOKEN_TEXTS and i not in ids:
+            ids.append(i)
+    return ids
+
+
+def _rope_scaling(
+    reader: gguf.GGUFReader,
+    src: Path,
+    arch: str,
+    tensors: dict[str, Any],
+    theta: float,
+    head_dim: int,
+) -> dict[str, Any] | None:
+    kind = _meta(reader, f"{arch}.rope.scaling.type", src, None)
+    factor = _meta(reader, f"{arch}.rope.scaling.factor", src, None)
+    orig_ctx = _meta(reader, f"{arch}.rope.scaling.original_context_length", src, None)
+    if "rope_freqs.weight" in tensors:
+        # Llama-3.1-style files bake the llama3 scaling into per-frequency divisors.
+        freqs = gguf.quants.dequantize(
+            tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type
+        )
+        return llama3_rope_from_factors(np.asarray(freqs, np.float64), theta, head_dim, orig_ctx)
+    if kind in (None, "none"):
+        return None
+    if kind == "linear" and factor is not None:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn" and factor is not None:
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        if orig_ctx is not None:
+            scaling["original_max_position_embeddings"] = int(orig_ctx)
+        return scaling
+    raise ValueError(f"unsupported rope scaling {kind!r} (factor {factor}) in {src}")
+
+
+def llama3_rope_from_factors(
+    factors: np.ndarray, theta: float, head_dim: int, original_ctx: int | None = None
+) -> dict[str, Any] | None:
+    """Recover HF's llama3 `rope_scaling` from llama.cpp's `rope_freqs` divisors.
+
+    Per frequency with wavelength w, llama3 scaling divides the frequency by
+        1                       if w < L / high_freq_factor
+        factor                  if w > L / low_freq_factor
+        1 / ((1 - s) / factor + s),  s = (L / w - low) / (high - low)   in between.
+    So `factor` is the largest divisor, and s is linear in 1/w with slope L / (high - low) and
+    intercept -low / (high - low): two or more in-between points determine low and high given L.
+    Only the ratios L/low and L/high matter to the math, so L is the file's
+    original_context_length when present, else 8192 (Llama 3's pre-training context).
+    """
+    n = head_dim // 2
+    if factors.shape != (n,):
+        raise ValueError(f"rope_freqs has shape {factors.shape}, expected ({n},)")
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    mid = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if int(mid.sum()) < 2:
+        raise ValueError(
+            f"rope_freqs has {int(mid.sum())} transitional factors; need 2 to recover llama3 "
+            "rope scaling (low/high_freq_factor)"
+        )
+    smooth = (1.0 / factors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(1.0 / wavelen[mid], smooth, 1)
+    ctx = int(original_ctx) if original_ctx else 8192
+    low = -intercept * ctx / slope
+    high = low + ctx / slope
+    scaling = {
+        "rope_type": "llama3",
+        "factor": round(factor, 6),
+        "low_freq_factor": round(float(low), 4),
+        "high_freq_factor": round(float(high), 4),
+        "original_max_position_embeddings": ctx,
+    }
+    rebuilt = llama3_rope_factors(scaling, theta, head_dim)
+    if not np.allclose(rebuilt, factors, rtol=1e-4, atol=0):
+        raise ValueError("rope_freqs does not follow llama3 rope scaling; cannot convert it")
+    return scaling
+
+
+def llama3_rope_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors llama3 scaling implies (what llama.cpp stores as rope_freqs)."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    ctx, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    smooth = (ctx / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < ctx / high, 1.0, np.where(wavelen > ctx / low, factor, mid))
+
+
+def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Path) -> list[_Entry]:
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads, hd = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    shapes = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (heads * hd, hidden),
+        "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+        "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+        "self_attn.o_proj.weight": (hidden, heads * hd),
+        "self_attn.q_proj.bias": (heads * hd,),
+        "self_attn.k_proj.bias": (kv_heads * hd,),
+        "self_attn.v_proj.bias": (kv_heads * hd,),
+        "self_attn.o_proj.bias": (hidden,),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    vocab = config["vocab_size"]
+    global_shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    # llama.cpp permutes q/k rows for `llama` only; which heads count differs for q and k.
+    permuted = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
+    wanted = [g for g in _LAYER_NAMES if g.endswith(".weight")]
+    if config["attention_bias"]:
+        # HF Qwen2 has q/k/v biases; HF Llama's attention_bias also puts one on o_proj.
+        wanted += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        wanted += ["attn_output.bias"] if arch == "llama" else []
+
+    entries: list[_Entry] = []
+    used = {"rope_freqs.weight"}
+    for gname, hname in _GLOBAL_NAMES.items():
+        if gname in tensors:
+            entries.append(_Entry(hname, global_shapes[hname], tensors[gname]))
+            used.add(gname)
+        elif gname != "output.weight":
+            raise ValueError(f"{src} lacks the tensor {gname!r}")
+    for i in range(config["num_hidden_layers"]):
+        for gsuffix in wanted:
+            gname, hsuffix = f"blk.{i}.{gsuffix}", _LAYER_NAMES[gsuffix]
+            source = tensors.get(gname)
+            if source is None and not gsuffix.endswith(".bias"):
+                raise ValueError(f"{src} lacks the tensor {gname!r}")
+            if source is None and arch == "qwen2":
+                raise ValueError(f"{src} lacks the tensor {gname!r} (qwen2 has q/k/v biases)")
+            # A llama file with q/k/v biases but none on the output gets a zero o_proj bias.
+            heads_here = permuted.get(gsuffix.split(".")[0], 0)
+            entries.append(
+                _Entry(f"model.layers.{i}.{hsuffix}", shapes[hsuffix], source, heads_here)
+            )
+            used.add(gname)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"{src} has tensors weft does not know for {arch}: {extra[:5]}")
+    for e in entries:
+        if e.source is not None and tuple(reversed(e.source.shape.tolist())) != e.shape:
+            file_shape = tuple(reversed(e.source.shape.tolist()))
+            raise ValueError(
+                f"{src}: tensor {e.source.name!r} has shape {file_shape}, "
+                f"the metadata implies {e.shape}"
+            )
+    return entries
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k permutation: GGUF interleaved pairs -> HF rotate-half halves.
+
+    Within each head of size d, HF's rotate_half pairs dim i with dim i + d/2; ggml's RoPE pairs
+    2i with 2i + 1. llama.cpp therefore moved HF row (j * d/2 + i) to row (2i + j), j in {0, 1}.
+    Reading GGUF rows as [head, i, j] and swapping i and j gives HF's [head, j, i].
+    """
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(tensor: Any, dtype: torch.dtype, unpermute_heads: int = 0) -> torch.Tensor:
+    """One GGUF `ReaderTensor` as a torch tensor in PyTorch order (GGUF dims reversed)."""
+    entry = _Entry(tensor.name, tuple(reversed(tensor.shape.tolist())), tensor, unpermute_heads)
+    flat = [chunk.reshape(-1) for chunk in _tensor_chunks(entry, dtype)]
+    return torch.cat(flat).reshape(entry.shape)
+
+
+def _row_chunks(entry: _Entry) -> Iterator[np.ndarray]:
+    """Dequantized float32 rows of `entry`, a chunk at a time, as a flat sequence of arrays."""
+    t = entry.source
+    data = t.data
+    if data.ndim < 2 or entry.unpermute_heads:
+        yield gguf.quants.dequantize(data, t.tensor_type).reshape(entry.shape)
+        return
+    rows_per_chunk = max(1, _CHUNK_BYTES // (4 * entry.shape[-1]))
+    for start in range(0, data.shape[0], rows_per_chunk):
+        yield gguf.quants.dequantize(data[start : start + rows_per_chunk], t.tensor_type)
+
+
+def _tensor_chunks(entry: _Entry, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    if entry.source is None:
+        yield torch.zeros(entry.shape, dtype=dtype)
+        return
+    for rows in _row_chunks(entry):
+        if not rows.flags.writeable:
+            rows = rows.copy()  # F32 data is a read-only view of the file's memmap
+        chunk = torch.from_numpy(rows)
+        if entry.unpermute_heads:
+            chunk = unpermute_rows(chunk, entry.unpermute_heads)
+        yield chunk.to(dtype).contiguous()
+
+
+def _shards(entries: list[_Entry], itemsize: int) -> list[list[_Entry]]:
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        nbytes = math.prod(e.shape) * itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes
+    return shards
+
+
+def _write_weights(folder: Path, entries: list[_Entry], dtype: torch.dtype, desc: str) -> None:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = _shards(entries, itemsize)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
+    with tqdm(total=len(entries), desc=desc, unit="tensor") as bar:
+        for name, shard in zip(names, shards, strict=True):
+            _write_safetensors(folder / name, shard, dtype, itemsize, bar)
+    if len(shards) > 1:
+        total = sum(math.prod(e.shape) * itemsize for e in entries)
+        weight_map = {e.name: n for n, shard in zip(names, shards, strict=True) for e in shard}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(folder / "model.safetensors.index.json", index)
+
+
+def _write_safetensors(
+    path: Path, entries: list[_Entry], dtype: torch.dtype, itemsize: int, bar: tqdm
+) -> None:
+    """Stream tensors into one safetensors file: the header is known before any data exists.
+
+    Format: u64 little-endian header length, JSON header (padded to 8 bytes), raw data.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        nbytes = math.prod(e.shape) * itemsize
+        header[e.name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with path.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for e in entries:
+            written = 0
+            for chunk in _tensor_chunks(e, dtype):
+                # NOTE: byte view of a contiguous tensor; numpy has no bfloat16, uint8 is exact.
+                raw = chunk.reshape(-1).view(torch.uint8).numpy()
+                f.write(raw.data)
+                written += raw.nbytes
+            if written != math.prod(e.shape) * itemsize:
+                raise AssertionError(f"{e.name}: wrote {written} bytes for shape {e.shape}")
+            bar.update(1)
+
+
+def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    if "pad_token_id" in config:
+        gen["pad_token_id"] = config["pad_token_id"]
+    return gen
+
+
+def _save_tokenizer(src: Path, folder: Path, template: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except Exception as e:  # transformers raises many types for a vocabulary it cannot build
+        raise ValueError(f"cannot build a tokenizer from {src}: {e}") from e
+    if template:
+        # transformers maps it already; set it again so a mapping change cannot drop it.
+        tok.chat_template = template  # saved as chat_template.jinja
+    tok.save_pretrained(str(folder))

@@ -1,0 +1,688 @@
+"""GGUF -> HF folder conversion: synthetic llama files written here, and the real default model.
+
+The synthetic files are written the way llama.cpp's converter writes them (q/k rows permuted to
+interleaved-pair RoPE, rope_freqs for llama3 scaling), so converting them back and comparing with
+the original transformers model checks the converter end to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import fixture_path
+from safetensors import safe_open
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from weft.runtime.loaders import gguf_convert
+from weft.runtime.loaders.default_model import (
+    DEFAULT_MODEL_SHA256,
+    DEFAULT_MODEL_SIZE,
+    default_cache_root,
+    default_model_gguf,
+    default_model_parts,
+)
+from weft.runtime.loaders.gguf_convert import (
+    MARKER,
+    convert_gguf,
+    dequantize_tensor,
+    llama3_rope_factors,
+    llama3_rope_from_factors,
+    unpermute_rows,
+)
+
+Q = gguf.GGMLQuantizationType
+SPM_VOCAB = ("llamacpp-vocab-tests", "ggml-vocab-llama-spm.gguf")
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# HF name suffix -> GGUF name suffix, as llama.cpp's converter names them.
+HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GLOBAL_HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GLOBAL_HF_TO_GGUF:
+        return GLOBAL_HF_TO_GGUF[hf_name]
+    layer, suffix = hf_name.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{layer}.{HF_TO_GGUF[suffix]}"
+
+
+# -- writing synthetic GGUF files like llama.cpp does -------------------------------------------
+
+
+def llamacpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF rotate-half rows -> ggml interleaved rows: GGUF row h*d + 2i + j = HF row h*d + j*d/2 + i.
+
+    Written as an explicit index list, independently of the converter's reshape/transpose.
+    """
+    d = w.shape[0] // n_heads
+    order = [
+        h * d + j * (d // 2) + i for h in range(n_heads) for i in range(d // 2) for j in (0, 1)
+    ]
+    return w[order]
+
+
+def tiny_llama(vocab_size: int, *, head_dim: int | None, scaling: dict | None, tied: bool):
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=16384,  # above llama3's original 8192
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=dict(scaling) if scaling else None,  # transformers edits it in place
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # not all-ones, so a swapped norm would show
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def tiny_qwen2(vocab_size: int) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):  # biases start at zero: make them count
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def copy_tokenizer_metadata(writer: gguf.GGUFWriter, vocab_gguf: Path) -> None:
+    reader = gguf.GGUFReader(vocab_gguf)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+
+
+def write_gguf(
+    path: Path,
+    model: LlamaForCausalLM | Qwen2ForCausalLM,
+    qtype: Callable[[str], gguf.GGMLQuantizationType],
+    *,
+    arch: str = "llama",
+    vocab: Path | None = None,
+    key_length: bool = False,
+) -> None:
+    """`model` as a GGUF file; `qtype(gguf_name)` picks each tensor's type."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    if key_length:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if vocab is not None:
+        copy_tokenizer_metadata(w, vocab)
+        w.add_chat_template(TEMPLATE)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        factors = llama3_rope_factors(cfg.rope_parameters, 10000.0, head_dim).astype(np.float32)
+        w.add_tensor("rope_freqs.weight", factors)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        gname = gguf_name(name)
+        if arch == "llama" and gname.endswith("attn_q.weight"):
+            tensor = llamacpp_permute(tensor, cfg.num_attention_heads)
+        if arch == "llama" and gname.endswith("attn_k.weight"):
+            tensor = llamacpp_permute(tensor, cfg.num_key_value_heads)
+        arr = tensor.detach().float().numpy()
+        if qtype(gname) == Q.F64:
+            w.add_tensor(gname, arr.astype(np.float64))
+            continue
+        w.add_tensor(gname, gguf.quants.quantize(arr, qtype(gname)), raw_dtype=qtype(gname))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def roundtrip(t: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """What a tensor stored as `qtype` dequantizes to (row-wise blocks commute with row order)."""
+    arr = t.detach().float().numpy()
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype))
+
+
+def mixed_type(gname: str) -> gguf.GGMLQuantizationType:
+    types = {
+        "token_embd.weight": Q.F16,
+        "blk.0.attn_q.weight": Q.F32,
+        "blk.0.attn_k.weight": Q.Q8_0,
+        "blk.0.attn_v.weight": Q.BF16,
+        "blk.0.attn_output.weight": Q.Q4_0,
+        "blk.0.ffn_gate.weight": Q.Q5_0,
+        "blk.0.ffn_up.weight": Q.Q5_1,
+        "blk.0.ffn_down.weight": Q.Q4_1,
+        "blk.1.attn_q.weight": Q.Q8_0,
+        "blk.1.attn_k.weight": Q.F16,
+    }
+    return types.get(gname, Q.F32 if "norm" in gname else Q.Q8_0)
+
+
+def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    return out
+
+
+def logits(model_or_folder: torch.nn.Module | Path, ids: torch.Tensor) -> torch.Tensor:
+    model = model_or_folder
+    if isinstance(model_or_folder, Path):
+        model = AutoModelForCausalLM.from_pretrained(model_or_folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+IDS = torch.tensor([[1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]])
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def spm_vocab() -> Path:
+    return fixture_path(*SPM_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def f32_case(tmp_path_factory, spm_vocab):
+    """All-F32 llama with llama3 rope scaling and head_dim != hidden/heads; converted."""
+    root = tmp_path_factory.mktemp("f32")
+    model = tiny_llama(32000, head_dim=32, scaling=LLAMA3_SCALING, tied=False)
+    path = root / "tiny-f32.gguf"
+    write_gguf(path, model, lambda _: Q.F32, vocab=spm_vocab, key_length=True)
+    return model, path, convert_gguf(path, root / "cache", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def mixed_case(tmp_path_factory, spm_vocab):
+    """Mixed tensor types, tied embeddings, sharded output (small shard limit)."""
+    root = tmp_path_factory.mktemp("mixed")
+    model = tiny_llama(32000, head_dim=None, scaling=None, tied=True)
+    path = root / "tiny-mixed.gguf"
+    write_gguf(path, model, mixed_type, vocab=spm_vocab)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_convert, "SHARD_BYTES", 1 << 20)
+        folder = convert_gguf(path, root / "cache", torch.float32)
+    return model, path, folder
+
+
+@pytest.fixture(scope="session")
+def qwen2_case(tmp_path_factory):
+    """qwen2 architecture (q/k/v biases, no q/k permutation) with the GPT-2 vocabulary."""
+    root = tmp_path_factory.mktemp("qwen2")
+    model = tiny_qwen2(50257)
+    path = root / "tiny-qwen2.gguf"
+    vocab = fixture_path("llamacpp-vocab-tests", "ggml-vocab-gpt-2.gguf")
+    write_gguf(path, model, lambda _: Q.F32, arch="qwen2", vocab=vocab)
+    return model, path, convert_gguf(path, root / "cache", torch.float32)
+
+
+# -- the q/k permutation -----------------------------------------------------------------------
+
+
+def test_permutation_turns_rotate_half_rope_into_interleaved_rope():
+    """Why llama.cpp permutes: interleaved RoPE on permuted rows == permuted rotate-half RoPE."""
+    n_heads, d = 3, 8
+    torch.manual_seed(1)
+    x = torch.randn(n_heads * d, dtype=torch.float64)
+    pos = 5.0
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cos(pos * inv_freq), torch.sin(pos * inv_freq)
+
+    def rope_rotate_half(v):  # HF: dim i pairs with dim i + d/2
+        v = v.view(n_heads, d)
+        a, b = v[:, : d // 2], v[:, d // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=1).reshape(-1)
+
+    def rope_interleaved(v):  # ggml: dim 2i pairs with dim 2i + 1
+        v = v.view(n_heads, d // 2, 2)
+        a, b = v[..., 0], v[..., 1]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).reshape(-1)
+
+    gguf_rows = llamacpp_permute(x, n_heads)
+    assert torch.allclose(
+        rope_interleaved(gguf_rows), llamacpp_permute(rope_rotate_half(x), n_heads)
+    )
+    assert not torch.equal(gguf_rows, x)
+    assert torch.equal(unpermute_rows(gguf_rows, n_heads), x)
+    w = torch.randn(n_heads * d, 5)
+    assert torch.equal(unpermute_rows(llamacpp_permute(w, n_heads), n_heads), w)
+
+
+def test_f32_qk_weights_equal_originals_exactly(f32_case):
+    model, path, folder = f32_case
+    weights = hf_weights(folder)
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for name, original in model.state_dict().items():
+        assert torch.equal(weights[name], original), name
+    # the file really held permuted rows, so equality above is the un-permutation at work
+    raw_q = torch.from_numpy(np.array(stored["blk.0.attn_q.weight"].data))
+    assert not torch.equal(raw_q, model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_f32_logits_match_original(f32_case):
+    model, _, folder = f32_case
+    torch.testing.assert_close(logits(folder, IDS), logits(model, IDS), rtol=0, atol=1e-5)
+
+
+def test_f32_config(f32_case):
+    _, _, folder = f32_case
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["vocab_size"], config["hidden_size"], config["intermediate_size"]) == (
+        32000,
+        64,
+        128,
+    )
+    assert (config["num_hidden_layers"], config["num_attention_heads"]) == (2, 4)
+    assert (config["num_key_value_heads"], config["head_dim"]) == (2, 32)
+    assert config["max_position_embeddings"] == 16384
+    assert config["rms_norm_eps"] == 1e-5
+    assert config["rope_theta"] == 10000.0
+    assert config["rope_scaling"] == LLAMA3_SCALING
+    assert config["tie_word_embeddings"] is False
+    assert config["attention_bias"] is False
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, [2])
+    assert config["torch_dtype"] == "float32"
+    assert json.loads((folder / "generation_config.json").read_text()) == {
+        "bos_token_id": 1,
+        "eos_token_id": [2],
+    }
+    assert (folder / "model.safetensors").is_file()
+    assert not (folder / "model.safetensors.index.json").exists()
+    marker = json.loads((folder / MARKER).read_text())
+    assert marker["dtype"] == "float32" and marker["source"].endswith("tiny-f32.gguf")
+
+
+def test_mixed_weights_within_quantisation_error(mixed_case):
+    model, _, folder = mixed_case
+    weights = hf_weights(folder)
+    sd = model.state_dict()
+    assert "lm_head.weight" not in weights
+    for name, original in sd.items():
+        if name == "lm_head.weight":
+            continue
+        qtype = mixed_type(gguf_name(name))
+        assert torch.equal(weights[name], roundtrip(original, qtype)), (name, qtype.name)
+        # the round trip itself stays close: Q4_0 steps are absmax / 8 per 32-value block
+        bound = {Q.Q4_0: 0.15, Q.Q4_1: 0.1, Q.Q5_0: 0.07, Q.Q5_1: 0.05}.get(qtype, 0.01)
+        err = (weights[name] - original).abs().max() / original.abs().max()
+        assert err <= bound, (name, qtype.name, float(err))
+
+
+def test_mixed_logits(mixed_case):
+    model, _, folder = mixed_case
+    converted = logits(folder, IDS)
+    # Exact pipeline check: the original model with every weight put through the same round trip.
+    reference = tiny_llama(32000, head_dim=None, scaling=None, tied=True)
+    weights = hf_weights(folder)
+    reference.load_state_dict(weights, strict=False)
+    reference.tie_weights()
+    torch.testing.assert_close(converted, logits(reference, IDS), rtol=0, atol=1e-5)
+    # Against the unquantized original the logits move by the quantisation noise (4-bit blocks
+    # in layer 0): logits here have std 0.17, max 1.1; measured max diff 0.062, rms diff 6% of std.
+    diff = converted - logits(model, IDS)
+    assert diff.abs().max() < 0.1
+    assert diff.pow(2).mean().sqrt() < 0.1 * converted.std()
+
+
+def test_mixed_output_is_sharded_and_tied(mixed_case):
+    _, _, folder = mixed_case
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == {p.name for p in shards}
+    config = json.loads((folder / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["head_dim"] == 16
+
+
+def test_tokenizer_and_chat_template(f32_case):
+    """The SPM tokenizer built from GGUF metadata equals transformers' own Llama-2 tokenizer.
+
+    NOTE: both differ from llama.cpp on the 15 test strings that start with a space (llama.cpp
+    keeps the extra "▁" piece 29871, transformers' Metaspace(prepend_scheme="first") folds it).
+    """
+    _, _, folder = f32_case
+    tok = AutoTokenizer.from_pretrained(folder)
+    hf_llama2 = AutoTokenizer.from_pretrained(fixture_path("tokenizers", "llama2"))
+    inputs = fixture_path("llamacpp-vocab-tests", "ggml-vocab-llama-spm.gguf.inp")
+    texts = inputs.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
+    lines = inputs.with_suffix(".out").read_text(encoding="utf-8").split("\n")[:-1]
+    expected = [[int(i) for i in line.split()] for line in lines]
+    assert len(texts) == len(expected) == 46
+    got = [tok.encode(t, add_special_tokens=False) for t in texts]
+    assert got == [hf_llama2.encode(t, add_special_tokens=False) for t in texts]
+    plain = [i for i, t in enumerate(texts) if not t.startswith(" ")]
+    assert len(plain) == 31
+    assert [got[i] for i in plain] == [expected[i] for i in plain]
+    assert tok.encode("Hello") == [1, 15043]  # add_bos_token from the GGUF metadata
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat == "[user] hi\n"
+
+
+def test_qwen2_weights_and_logits(qwen2_case):
+    model, _, folder = qwen2_case
+    weights = hf_weights(folder)
+    assert weights.keys() == model.state_dict().keys()
+    for name, original in model.state_dict().items():
+        assert torch.equal(weights[name], original), name
+    torch.testing.assert_close(logits(folder, IDS), logits(model, IDS), rtol=0, atol=1e-5)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["attention_bias"] is True
+    assert (config["rope_theta"], config["rms_norm_eps"], config["rope_scaling"]) == (
+        1000000.0,
+        1e-6,
+        None,
+    )
+    assert (config["bos_token_id"], config["eos_token_id"]) == (50256, [50256])
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.encode("Hello world", add_special_tokens=False) == [15496, 995]
+
+
+def test_bfloat16_conversion(f32_case, tmp_path):
+    model, path, _ = f32_case
+    folder = convert_gguf(path, tmp_path, torch.bfloat16)
+    assert folder.name.endswith("-bfloat16")
+    weights = hf_weights(folder)
+    for name, original in model.state_dict().items():
+        assert torch.equal(weights[name], original.to(torch.bfloat16)), name
+
+
+# -- dequantization of each type -----------------------------------------------------------------
+
+QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+# K-quants have no quantizer in gguf.quants: random blocks with finite f16 scales stand in.
+# Byte offsets of the f16 super-block scales (d, dmin) in ggml's block structs.
+K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def test_dequantize_each_type(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    rows, cols = 8, 512
+    data = rng.standard_normal((rows, cols)).astype(np.float32)
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    expected: dict[str, np.ndarray] = {}
+    for qtype in QUANTIZABLE:
+        q = gguf.quants.quantize(data, qtype)
+        w.add_tensor(qtype.name, q, raw_dtype=qtype)
+        expected[qtype.name] = gguf.quants.dequantize(q, qtype)
+    for qtype, offsets in K_QUANT_SCALES.items():
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        blocks = rng.integers(0, 256, (rows * cols // 256, block_bytes), dtype=np.uint8)
+        for off in offsets:
+            scales = rng.uniform(0.001, 0.01, len(blocks)).astype(np.float16)
+            blocks[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
+        q = blocks.reshape(rows, -1)
+        w.add_tensor(qtype.name, q, raw_dtype=qtype)
+        expected[qtype.name] = gguf.quants.dequantize(q, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    # A tiny chunk forces the row-chunked path (3 rows at a time over 8 rows).
+    monkeypatch.setattr(gguf_convert, "_CHUNK_BYTES", 3 * 4 * cols)
+    for t in gguf.GGUFReader(path).tensors:
+        got = dequantize_tensor(t, torch.float32)
+        assert got.shape == (rows, cols), t.name
+        assert torch.isfinite(got).all(), t.name
+        assert torch.equal(got, torch.from_numpy(expected[t.name])), t.name
+        if t.name in {q.name for q in QUANTIZABLE}:
+            assert np.abs(got.numpy() - data).max() < 0.25 * np.abs(data).max(), t.name
+
+
+# -- llama3 rope reconstruction -----------------------------------------------------------------
+
+
+def test_llama3_rope_recovered_from_llama31_factors():
+    factors = llama3_rope_factors(LLAMA3_SCALING, 500000.0, 128).astype(np.float32)
+    assert llama3_rope_from_factors(factors.astype(np.float64), 500000.0, 128) == LLAMA3_SCALING
+    assert llama3_rope_from_factors(np.ones(64), 500000.0, 128) is None
+
+
+# -- caching -------------------------------------------------------------------------------------
+
+
+def test_second_call_uses_cache_without_reading(f32_case, monkeypatch):
+    _, path, folder = f32_case
+    marker = (folder / MARKER).stat()
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("cache hit must not open the GGUF file")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reading)
+    assert convert_gguf(path, folder.parent, torch.float32) == folder
+    after = (folder / MARKER).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (marker.st_ino, marker.st_mtime_ns)
+
+
+def test_interrupted_conversion_leaves_nothing(f32_case, tmp_path, monkeypatch):
+    _, path, _ = f32_case
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(path, tmp_path, torch.float32)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_changed_file_gets_a_new_folder(tmp_path, f32_case, monkeypatch):
+    _, path, _ = f32_case
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", lambda *args: None)  # not under test
+    copy = tmp_path / path.name
+    copy.write_bytes(path.read_bytes())
+    first = convert_gguf(copy, tmp_path / "cache", torch.float32)
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    second = convert_gguf(copy, tmp_path / "cache", torch.float32)
+    assert first != second and (second / MARKER).is_file() and first.name.startswith("tiny-f32-")
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nothere\.gguf"):
+        convert_gguf(tmp_path / "nothere.gguf", tmp_path, torch.float32)
+
+
+def test_text_file_renamed_gguf(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("just some text, not a model\n")
+    with pytest.raises(ValueError, match=r"notes\.gguf is not a GGUF file"):
+        convert_gguf(path, tmp_path, torch.float32)
+
+
+@pytest.mark.parametrize("keep", [0.5, 40])
+def test_truncated_gguf(tmp_path, f32_case, keep):
+    _, path, _ = f32_case
+    blob = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(blob[: int(len(blob) * keep) if keep < 1 else keep])
+    with pytest.raises(ValueError, match=r"cut\.gguf is truncated"):
+        convert_gguf(cut, tmp_path / "cache", torch.float32)
+    assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
+
+
+def test_unsupported_architecture(tmp_path):
+    model = tiny_llama(64, head_dim=None, scaling=None, tied=True)
+    path = tmp_path / "model.gguf"
+    write_gguf(path, model, lambda _: Q.F32, arch="gemma")
+    with pytest.raises(ValueError) as err:
+        convert_gguf(path, tmp_path / "cache", torch.float32)
+    assert str(err.value) == f"unknown architecture 'gemma' in {path}: weft supports llama, qwen2"
+
+
+def test_unsupported_tensor_type(tmp_path):
+    model = tiny_llama(64, head_dim=None, scaling=None, tied=True)
+    path = tmp_path / "f64.gguf"
+    write_gguf(path, model, lambda g: Q.F64 if g == "blk.1.ffn_norm.weight" else Q.F32)
+    with pytest.raises(ValueError) as err:
+        convert_gguf(path, tmp_path / "cache", torch.float32)
+    assert str(err.value) == (
+        f"unsupported tensor type F64 (tensor 'blk.1.ffn_norm.weight') in {path}"
+    )
+
+
+# -- the real default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M) --------------------------------
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    try:
+        default_model_parts()
+    except RuntimeError as e:
+        pytest.skip(f"default-model wheels not installed: {e}")
+    # NOTE: the real caches live under default_cache_root(), so later runs reuse them.
+    return default_model_gguf(default_cache_root())
+
+
+@pytest.fixture(scope="session")
+def real_folder(real_gguf: Path) -> Path:
+    # bfloat16: what the engine asks for by default, so this run warms the engine's cache too.
+    return convert_gguf(real_gguf, default_cache_root(), torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_real_gguf_assembled(real_gguf):
+    assert real_gguf.stat().st_size == DEFAULT_MODEL_SIZE
+    digest = hashlib.sha256()
+    with real_gguf.open("rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    assert digest.hexdigest() == DEFAULT_MODEL_SHA256
+
+
+@pytest.mark.slow
+def test_real_config(real_folder):
+    config = json.loads((real_folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["num_hidden_layers"] == 24 and config["hidden_size"] == 896
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (14, 2)
+    assert (config["vocab_size"], config["intermediate_size"]) == (151936, 4864)
+    assert config["eos_token_id"] == [151645, 151643]
+    assert config["tie_word_embeddings"] is False and config["attention_bias"] is True
+    assert (config["rope_theta"], config["rms_norm_eps"]) == (1000000.0, 1e-6)
+    gen = json.loads((real_folder / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [151645, 151643]
+
+
+@pytest.mark.slow
+def test_real_weights_match_gguf_dequantization(real_gguf, real_folder):
+    """One tensor of each type in the file (Q4_K, Q5_0, Q6_K, Q8_0, F32) against gguf.quants."""
+    hf = {
+        "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",  # Q5_0
+        "blk.0.attn_q.bias": "model.layers.0.self_attn.q_proj.bias",  # F32
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",  # Q6_K
+        "blk.2.ffn_down.weight": "model.layers.2.mlp.down_proj.weight",  # Q4_K
+        "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",  # Q8_0
+    }
+    tensors = {t.name: t for t in gguf.GGUFReader(real_gguf).tensors}
+    seen = set()
+    with safe_open(str(real_folder / "model.safetensors"), framework="pt") as f:
+        assert len(list(f.keys())) == 291 and "lm_head.weight" in f.keys()  # noqa: SIM118
+        for gname, hname in hf.items():
+            t = tensors[gname]
+            seen.add(t.tensor_type)
+            ref = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+            assert torch.equal(f.get_tensor(hname), ref.to(torch.bfloat16)), gname
+    assert seen == {Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0, Q.F32}
+
+
+@pytest.mark.slow
+def test_real_tokenizer_reproduces_llamacpp_vectors(real_folder):
+    tok = AutoTokenizer.from_pretrained(real_folder)
+    inputs = fixture_path("llamacpp-vocab-tests", "ggml-vocab-qwen2.gguf.inp")
+    texts = inputs.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
+    expected = inputs.with_suffix(".out").read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(texts) == len(expected) == 46
+    got = [tok.encode(t, add_special_tokens=False) for t in texts]
+    assert got == [[int(i) for i in line.split()] for line in expected]
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n" in chat
+
+
+@pytest.mark.slow
+def test_real_second_call_reuses_marker(real_gguf, real_folder, monkeypatch):
+    before = (real_folder / MARKER).stat()
+    monkeypatch.setattr(gguf, "GGUFReader", None)  # any read of the GGUF would fail
+    assert convert_gguf(real_gguf, default_cache_root(), torch.bfloat16) == real_folder
+    after = (real_folder / MARKER).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    size = sum(p.stat().st_size for p in real_folder.iterdir())
+    assert math.isclose(size, 1.27e9, rel_tol=0.05)
