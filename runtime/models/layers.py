@@ -15,6 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] @ weight[out, in]^T (+ bias).
+
+    NOTE: on CPUs a single row goes through a matrix-vector product: measured on a 2-core AVX-512
+    machine, torch.mv streams bf16 weights at ~23 GB/s where F.linear manages ~15 GB/s.
+    """
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        out = torch.mv(weight, x[0]).unsqueeze(0)
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
 class ColumnLinear(nn.Module):
     """y = x W^T (+ b), W stored as several row blocks loaded one shard at a time."""
 
@@ -36,7 +48,7 @@ class ColumnLinear(nn.Module):
         _copy_checked(target.data[start : start + size], tensor, f"{param_name} shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowLinear(nn.Module):
@@ -47,7 +59,7 @@ class RowLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -62,8 +74,7 @@ class RMSNorm(nn.Module):
         """Returns (norm(x + residual), x + residual); the sum is the next residual."""
         if residual is not None:
             x = x + residual
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        normed = (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed, x
 
 
@@ -99,10 +110,14 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.head_dim = head_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim / 2] for a step (looked up once, used by every layer)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [T, heads, head_dim] -> same shape and dtype."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = cos_sin
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)

@@ -11,7 +11,16 @@ from torch import nn
 from weft.runtime.attention import AttentionBackend
 from weft.runtime.core import ForwardBatch
 from weft.runtime.model_config import ModelConfig
-from weft.runtime.models.layers import ColumnLinear, RMSNorm, Rotary, RowLinear, load_plain
+from weft.runtime.models.layers import (
+    ColumnLinear,
+    RMSNorm,
+    Rotary,
+    RowLinear,
+    linear,
+    load_plain,
+)
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
 
 # HF checkpoint name -> (merged parameter, shard index)
 _STACKED = {
@@ -24,7 +33,7 @@ _STACKED = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -36,14 +45,12 @@ class Attention(nn.Module):
         self.splits = [q_size, kv_size, kv_size]
         self.qkv_proj = ColumnLinear(cfg.hidden_size, self.splits, cfg.attention_bias, dtype)
         self.o_proj = RowLinear(q_size, cfg.hidden_size, dtype)
-        self.rotary = rotary
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, batch: ForwardBatch,
+                attn: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim))
-        k = self.rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
+        q = Rotary.apply(q.view(-1, self.num_heads, self.head_dim), rope)
+        k = Rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.forward(q, k, v, self.layer, batch))
 
@@ -61,9 +68,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
-        self.self_attn = Attention(cfg, layer, rotary, dtype)
+        self.self_attn = Attention(cfg, layer, dtype)
         self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -72,12 +79,12 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
+        rope: RopeTables,
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, batch, attn)
+        h = self.self_attn(h, rope, batch, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -90,7 +97,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary, dtype) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
@@ -102,15 +109,16 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [K, hidden] of the tokens in `batch.logits_indices`."""
         attn.prepare(batch)
         x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary.lookup(batch.positions)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, batch.positions, batch, attn)
+            x, residual = layer(x, residual, rope, batch, attn)
         x, _ = self.norm(x, residual)
         return x[batch.logits_indices]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of the parameters that were filled."""
