@@ -20,6 +20,7 @@ import torch
 
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import LogprobRequest, Req
+from weft.runtime.model_config import ModelConfig
 from weft.runtime.model_runner import ModelRunner, resolve_source
 from weft.runtime.results import request_output
 from weft.runtime.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class Engine:
             torch.set_num_threads(self.config.num_threads)
         started = time.perf_counter()
         source = resolve_source(self.config)
+        ModelConfig.from_folder(source.folder)  # a bad config.json fails before anything loads
         self.tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
         self.runner = ModelRunner(self.config, source)
         self.model_config = self.runner.model_config

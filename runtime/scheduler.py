@@ -131,6 +131,7 @@ class Scheduler:
 
     # ---- the loop body --------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[ReqUpdate]:
         updates = [
             ReqUpdate(r, self.output.text_delta(r), 0) for r in self._reported if not r.hidden

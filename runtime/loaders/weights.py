@@ -52,12 +52,16 @@ def iter_safetensors(
 
 
 def init_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Random weights in real shapes (benchmarks: decode speed does not depend on values)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights in real shapes (benchmarks: decode speed does not depend on values).
+
+    Drawn on the parameters' own device, so values differ between CPU and GPU for one seed.
+    """
+    gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
             continue
-        # NOTE: generate on the CPU per tensor and copy, so the result is the same on every device.
-        values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
-        param.data.copy_(values)
+        gen = gens.setdefault(
+            param.device, torch.Generator(device=param.device).manual_seed(seed)
+        )
+        param.data.normal_(0.0, 0.02, generator=gen)

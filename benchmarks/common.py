@@ -1,0 +1,68 @@
+"""Shared benchmark helpers: device description, copy bandwidth, weight bytes, workloads."""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+
+import torch
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}"
+    model = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def copy_bandwidth(device: torch.device, mbytes: int = 512, repeats: int = 5) -> float:
+    """Device memory bandwidth in GB/s (bytes read + written) of a large copy."""
+    src = torch.empty(mbytes * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step must read: every parameter except an untied embedding table."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    tied = getattr(model, "lm_head", None) is None
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int, lo: int = 1000) -> list[list[int]]:
+    rng = random.Random(seed)
+    hi = max(lo + 1, min(vocab, 30000))
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def shared_prefix_prompts(
+    groups: int, per_group: int, system_len: int, question_len: int, vocab: int, seed: int
+) -> list[list[int]]:
+    """SGLang's generated-shared-prefix shape: groups of prompts sharing a long system prompt."""
+    systems = random_prompts(groups, system_len, vocab, seed)
+    questions = random_prompts(groups * per_group, question_len, vocab, seed + 1)
+    return [systems[i // per_group] + q for i, q in enumerate(questions)]

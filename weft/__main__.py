@@ -1,0 +1,5 @@
+import sys
+
+from weft.cli import main
+
+sys.exit(main())
