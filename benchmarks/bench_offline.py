@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -134,6 +135,10 @@ def main() -> None:
             config = engine.model_config
             dtype = str(engine.runner.dtype).removeprefix("torch.")
         engine.shutdown()
+        del engine  # NOTE: the next run's engine sizes its KV pool from the memory left free
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     print(f"\ndevice    : {describe_device(device)}")
     print(f"model     : {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'} "

@@ -51,6 +51,24 @@ class MemoryManager:
         self.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
         return slots
 
+    def cache_progress(self, req: Req) -> None:
+        """Insert a partly processed request's KV into the cache now (after a prefill chunk), so
+        requests that share its prefix can match it before it finishes. The request then holds
+        the cached path locked: prefix_len == kv_len."""
+        if not self.cache.enabled or req.req_pool_idx is None or req.kv_len == req.prefix_len:
+            return
+        row = req.req_pool_idx
+        key = req.fill_ids[: req.kv_len]
+        already = self.cache.insert(key, self.req_to_token.read(row, 0, req.kv_len), req.namespace)
+        self.kv_pool.free(self.req_to_token.read(row, req.prefix_len, max(already, req.prefix_len)))
+        match = self.cache.match_prefix(key, req.namespace)
+        # NOTE: the cache's slots replace the duplicates freed above, so rewrite the row
+        self.req_to_token.write(row, 0, match.slots)
+        self.cache.lock(match.node)
+        self.cache.unlock(req.cache_node)
+        req.cache_node = match.node
+        req.prefix_len = match.length
+
     def release(self, req: Req) -> None:
         """Hand the request's KV to the prefix cache (or free it) and give back its row."""
         row = req.req_pool_idx

@@ -13,6 +13,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -30,7 +31,8 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 LPM_MAX_QUEUE = 128  # past this, prefix matching the whole queue costs more than it saves
-PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at once
+PROMPT_LOGITS_CHUNK = 256
+IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens with one admitted  # rows of [rows, vocab] float32 logits computed at once
 
 
 @dataclass
@@ -103,7 +105,8 @@ class Scheduler:
         seed = None if req.params.seed is None else req.params.seed + i
         params = dataclasses.replace(req.params, n=1, seed=seed)
         return dataclasses.replace(
-            req, rid=f"{req.rid}-{i}", params=params, group_rid=req.rid, index=i, output_ids=[]
+            req, rid=f"{req.rid}-{i}", params=params, group_rid=req.rid, index=i, output_ids=[],
+            input_logprobs=[], output_logprobs=[],  # NOTE: replace() would share the lists
         )
 
     def _enqueue(self, req: Req) -> None:
@@ -150,6 +153,8 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self.memory.release(req)
+            elif plan.num_tokens > 1:
+                self.memory.cache_progress(req)  # others may share this prefill from now on
             new = 1 if plan.sample_row is not None else 0
             if not req.hidden and (new or req.finished):
                 updates.append(ReqUpdate(req, self.output.text_delta(req), new))
@@ -245,6 +250,8 @@ class Scheduler:
                 continue
             if not self.memory.has_row():
                 break
+            if self._shares_with(req, [r for r, _ in work]):
+                continue  # wait one step: it will match the prefix being computed now
             self.memory.admit(req)
             remaining = req.seq_len - req.kv_len
             n = min(remaining, budget)
@@ -262,6 +269,19 @@ class Scheduler:
             budget -= n
             committed += n
         return work
+
+    def _shares_with(self, req: Req, admitted: list[Req]) -> bool:
+        """Whether req shares a long uncached prefix with a request admitted in this step."""
+        if not self.memory.cache.enabled or not admitted:
+            return False
+        ids = req.fill_ids
+        for other in admitted:
+            if other.namespace != req.namespace:
+                continue
+            common = _common_prefix(ids, other.fill_ids)
+            if common >= IN_BATCH_SHARE_MIN and common > other.prefix_len + IN_BATCH_SHARE_MIN:
+                return True
+        return False
 
     def _order_waiting(self) -> None:
         """Longest cached prefix first (policy lpm) while the queue is short enough to match."""
@@ -285,3 +305,11 @@ class Scheduler:
 
     def memory_stats(self) -> dict[str, int]:
         return self.memory.stats(self.running)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n

@@ -119,3 +119,15 @@ def test_abort_by_rid(big):
     out = asyncio.run(run())
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(out["output_ids"]) < 500
+
+
+def test_concurrent_requests_share_a_prefix_being_computed(stories_dir, big):
+    system = _prompts(1, seed=8)[0] * 5  # a long shared prefix (> one chunk of 32)
+    prompts = [system + q for q in _prompts(6, seed=9)]
+    engine = make_engine(stories_dir, max_total_tokens=4096, chunked_prefill_size=32)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    assert cached[0] == 0 and all(c >= len(system) - 1 for c in cached[1:]), cached
+    ref = big.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+    engine.shutdown()

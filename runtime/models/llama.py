@@ -48,10 +48,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeTables, batch: ForwardBatch,
                 attn: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = Rotary.apply(q.view(-1, self.num_heads, self.head_dim), rope)
-        k = Rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), rope)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.splits
+        # one rotary pass over q and k together: [T, Hq + Hkv, D] (a strided view of qkv)
+        qk = Rotary.apply(qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                            self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.forward(q, k, v, self.layer, batch))
 
 

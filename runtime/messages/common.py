@@ -1,0 +1,41 @@
+"""Message types that travel on more than one channel (forwarded unchanged by the detokenizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# (logprob, token id, top alternatives [(logprob, token id)]); the logprob of the first prompt
+# token is None (nothing predicts it).
+LogprobEntry = tuple[float | None, int, list[tuple[float, int]]]
+
+
+class ModelInfo(msgspec.Struct):
+    """What the scheduler knows once the model is loaded; the server validates requests with it."""
+
+    model_path: str
+    architecture: str
+    vocab_size: int
+    context_length: int  # max prompt + output tokens of one request (model and KV pool bound)
+    kv_pool_size: int
+    dtype: str
+    device: str
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    info: ModelInfo
+
+
+class Reply(msgspec.Struct, tag="reply"):
+    """The answer to a query (server info, cache flush)."""
+
+    query_id: int
+    body: dict[str, Any]
+
+
+class Fatal(msgspec.Struct, tag="fatal"):
+    """A child failed for good (it exits right after sending this)."""
+
+    process: str
+    message: str

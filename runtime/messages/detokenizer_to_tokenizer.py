@@ -1,0 +1,31 @@
+"""Channel detokenizer -> tokenizer manager: client-facing text per step, plus forwarded control
+messages from the scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from weft.runtime.messages.common import Fatal, LogprobEntry, Ready, Reply
+
+
+class TextUpdate(msgspec.Struct, array_like=True):
+    rid: str  # the rid the caller knows
+    index: int  # which of the caller's n samples
+    text: str  # new text: never half a character, never a part of a stop string
+    new_ids: list[int]
+    cached_tokens: int
+    finish_reason: dict[str, Any] | None = None
+    output_logprobs: list[LogprobEntry] = []
+    input_logprobs: list[LogprobEntry] | None = None
+
+
+class TextStep(msgspec.Struct, tag="text"):
+    updates: list[TextUpdate]
+
+
+ToTokenizer = TextStep | Ready | Reply | Fatal
+
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder(ToTokenizer)

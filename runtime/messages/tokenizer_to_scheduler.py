@@ -1,0 +1,40 @@
+"""Channel tokenizer manager -> scheduler: new requests, aborts and queries."""
+
+from __future__ import annotations
+
+import msgspec
+
+from weft.runtime.sampling_params import SamplingParams
+
+
+class GenerateRequest(msgspec.Struct, array_like=True):
+    """One tokenized, validated prompt (n > 1 samples are split by the scheduler)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    logprob_start_len: int | None = None  # None: no logprobs; -1: output tokens only
+    top_logprobs_num: int = 0
+    namespace: str = ""
+
+
+class Generate(msgspec.Struct, tag="generate"):
+    reqs: list[GenerateRequest]  # a batch arrives as one message so it is scheduled together
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    rids: list[str]  # caller rids (an n > 1 rid aborts all its samples)
+
+
+class GetServerInfo(msgspec.Struct, tag="server_info"):
+    query_id: int
+
+
+class FlushCache(msgspec.Struct, tag="flush_cache"):
+    query_id: int
+
+
+ToScheduler = Generate | Abort | GetServerInfo | FlushCache
+
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder(ToScheduler)

@@ -1,0 +1,232 @@
+"""The scheduler process: the model, the KV pool and the `Scheduler`, fed over ZMQ.
+
+Loop: take every waiting message (block while idle, poll while busy), run one scheduler step,
+send the step's new token ids to the detokenizer in one message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from weft.runtime.core import LogprobRequest, Req
+from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, setup_child
+from weft.runtime.messages import scheduler_to_detokenizer as to_detok
+from weft.runtime.messages import tokenizer_to_scheduler as from_tm
+from weft.runtime.messages.common import Fatal, ModelInfo, Ready, Reply
+from weft.runtime.model_runner import ModelRunner, ModelSource
+from weft.runtime.scheduler import ReqUpdate, Scheduler
+from weft.runtime.server_config import ServerConfig
+from weft.runtime.tokenizer import end_token_ids, load_tokenizer
+
+logger = logging.getLogger("weft")
+
+IDLE_POLL_MS = 500  # while idle, wake up this often to check that the parent is alive
+
+
+class _NoTextDecoder:
+    """Stands in for the scheduler's incremental decoder when a request has no stop strings.
+
+    The client-facing text is decoded once, in the detokenizer process; the scheduler only needs
+    text to find stop strings. NOTE: relies on `OutputProcessor.start` keeping a decoder that is
+    already set (tests compare the server's text with the in-process Engine's to catch a change).
+    """
+
+    text = ""
+
+    def push(self, ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+_NO_TEXT = _NoTextDecoder()
+
+
+@dataclass
+class _Progress:
+    ids_sent: int = 0
+    logprobs_sent: int = 0
+    started: bool = False  # the first update went out (it carries the prompt logprobs)
+
+
+class SchedulerService:
+    def __init__(self, config: ServerConfig, source: ModelSource) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        engine_config = config.engine_config
+        tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
+        self.runner = ModelRunner(engine_config, source)
+        end_ids = end_token_ids(tokenizer, self.runner.model_config, source.folder)
+        self.scheduler = Scheduler(engine_config, self.runner, tokenizer, end_ids)
+        self.has_tokenizer = tokenizer is not None
+        self.source = source
+        self._progress: dict[str, _Progress] = {}
+        self._starts: list[to_detok.DecodeStart] = []
+        self.num_requests = 0
+        self.num_aborted = 0
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model_path=self.source.display_path,
+            architecture=self.runner.model_config.architecture,
+            vocab_size=self.runner.model_config.vocab_size,
+            context_length=self.scheduler.max_seq_len,
+            kv_pool_size=self.runner.kv_pool.size,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+        )
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def serve(self, inbox: zmq.Socket, outbox: zmq.Socket, watch: ParentWatch) -> None:
+        while True:
+            busy = self.scheduler.has_work
+            if inbox.poll(0 if busy else IDLE_POLL_MS):
+                while True:
+                    try:
+                        raw = inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = self.handle(from_tm.decoder.decode(raw))
+                    if reply is not None:
+                        outbox.send(to_detok.encoder.encode(reply))
+            if self.scheduler.has_work:
+                step = self.step()
+                if step.updates or step.starts:
+                    outbox.send(to_detok.encoder.encode(step))
+            if (not busy or watch.due()) and not watch.parent_alive():
+                logger.info("scheduler: the server process is gone; exiting")
+                return
+
+    def handle(self, msg: from_tm.ToScheduler) -> Reply | None:
+        if isinstance(msg, from_tm.Generate):
+            for r in msg.reqs:
+                self._add(r)
+        elif isinstance(msg, from_tm.Abort):
+            for rid in msg.rids:
+                self.num_aborted += int(self.scheduler.abort(rid))
+        elif isinstance(msg, from_tm.GetServerInfo):
+            return Reply(msg.query_id, self.server_info())
+        elif isinstance(msg, from_tm.FlushCache):
+            return Reply(msg.query_id, {"flushed": self.flush_cache()})
+        return None
+
+    def _add(self, r: from_tm.GenerateRequest) -> None:
+        logprob = None
+        if r.logprob_start_len is not None:
+            logprob = LogprobRequest(start_len=r.logprob_start_len, top_k=r.top_logprobs_num)
+        req = Req(rid=r.rid, input_ids=r.input_ids, params=r.params, logprob=logprob,
+                  namespace=r.namespace)
+        if not r.params.stop:
+            req.decoder = _NO_TEXT
+        self.num_requests += 1
+        hold = max((len(s) for s in r.params.stop), default=1) - 1
+        for child in self.scheduler.add(req):
+            self._progress[child.rid] = _Progress()
+            self._starts.append(
+                to_detok.DecodeStart(
+                    child.rid, r.params.skip_special_tokens,
+                    r.params.spaces_between_special_tokens, hold,
+                )
+            )
+
+    def step(self) -> to_detok.Step:
+        updates = [self._token_update(u) for u in self.scheduler.step()]
+        starts, self._starts = self._starts, []
+        return to_detok.Step(starts, updates)
+
+    def _token_update(self, update: ReqUpdate) -> to_detok.TokenUpdate:
+        req = update.req
+        progress = self._progress[req.rid]
+        new_ids = req.output_ids[progress.ids_sent :]
+        progress.ids_sent = len(req.output_ids)
+        out = to_detok.TokenUpdate(
+            rid=req.rid,
+            caller_rid=req.group_rid or req.rid,
+            index=req.index,
+            new_ids=new_ids,
+            cached_tokens=req.cached_tokens,
+        )
+        if req.logprob is not None:
+            out.output_logprobs = list(req.output_logprobs[progress.logprobs_sent :])
+            progress.logprobs_sent = len(req.output_logprobs)
+            if not progress.started and req.logprob.start_len >= 0:
+                out.input_logprobs = list(req.input_logprobs)
+        progress.started = True
+        if req.finish is not None:
+            matched = req.finish.matched
+            stop_token = req.finish.type == "stop" and isinstance(matched, int)
+            stop_string = req.finish.type == "stop" and isinstance(matched, str)
+            out.finish = to_detok.Finish(
+                reason=req.finish.to_dict(),
+                decode_last=not stop_token,
+                text_len=len(req.decoder.text) if stop_string else -1,
+            )
+            del self._progress[req.rid]
+        return out
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def server_info(self) -> dict[str, Any]:
+        s = self.scheduler
+        try:
+            s.check_integrity()
+            integrity_error = None
+        except AssertionError as exc:
+            integrity_error = str(exc)
+        return {
+            "kv_pool": s.memory_stats(),
+            "kv_integrity_ok": integrity_error is None,
+            "kv_integrity_error": integrity_error,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_steps": s.num_steps,
+            "num_retractions": s.num_retractions,
+            "peak_running": s.peak_running,
+            "num_requests": self.num_requests,
+            "num_aborted": self.num_aborted,
+            "radix_cache": s.memory.cache.enabled,
+        }
+
+    def flush_cache(self) -> bool:
+        """Refused (False) while requests are queued or running, as in the Engine."""
+        s = self.scheduler
+        if s.running or s.waiting or s.has_work:
+            return False
+        s.memory.cache.reset()
+        return True
+
+
+def run_scheduler_process(
+    config: ServerConfig, source: ModelSource, ipc: IpcNames, parent_pid: int
+) -> None:
+    """Entry point of the child process (multiprocessing spawn)."""
+    setup_child("scheduler", config.log_level)
+    ctx = zmq.Context()
+    inbox = pull_socket(ctx, ipc.scheduler)
+    outbox = push_socket(ctx, ipc.detokenizer)
+    try:
+        started = time.perf_counter()
+        service = SchedulerService(config, source)
+        outbox.send(to_detok.encoder.encode(Ready(service.model_info())))
+        logger.info("scheduler ready in %.1f s", time.perf_counter() - started)
+        service.serve(inbox, outbox, ParentWatch(parent_pid))
+    except Exception as exc:  # noqa: BLE001 - reported to the server, then the process exits
+        logger.exception("scheduler failed")
+        outbox.send(to_detok.encoder.encode(Fatal("scheduler", f"{type(exc).__name__}: {exc}")))
+        outbox.close(linger=1000)  # let the message leave before the process ends
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    inbox.close()
+    outbox.close()
+    ctx.term()

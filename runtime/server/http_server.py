@@ -1,0 +1,158 @@
+"""The FastAPI app: health and info routes here, the APIs in native_api / openai_api."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from weft.runtime.messages import tokenizer_to_scheduler as to_sched
+from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.server import native_api, openai_api
+from weft.runtime.server.chat import ChatRenderer
+from weft.runtime.server.errors import ApiError
+from weft.runtime.server.metrics import CONTENT_TYPE
+from weft.runtime.server.native_api import json_response
+from weft.runtime.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("weft")
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+VERSION = "0.1.0"
+
+
+def build_app(tm: TokenizerManager) -> FastAPI:
+    config = tm.config
+    chat = ChatRenderer(tm.tokenizer, config.chat_template)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await tm.start()
+        yield
+        await tm.stop()
+
+    app = FastAPI(title="weft", version=VERSION, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return json_response(exc.body(), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return json_response(ApiError(str(exc.detail), exc.status_code).body(), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        logger.exception("request failed")
+        error = ApiError(f"internal error: {type(exc).__name__}: {exc}", 500)
+        return json_response(error.body(), 500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        tm.check_alive()
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """One token through the whole pipeline (scheduler, detokenizer, back)."""
+        tm.check_alive()
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        req = tm.build_request([_probe_token(tm)], params, False, rid=f"health-{id(params)}")
+        states = tm.submit([req])
+        try:
+            await asyncio.wait_for(tm.wait(states), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            tm.abort_unfinished(states)
+            raise ApiError("the health check generation did not finish in time", 503) from None
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        return json_response(_model_info(tm))
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info() -> Response:
+        scheduler = await tm.query(to_sched.GetServerInfo)
+        return json_response({
+            **config.to_dict(redact=True),
+            "version": VERSION,
+            "model_info": _model_info(tm),
+            "context_length": tm.info.context_length,
+            "served_model_name": tm.served_model_name,
+            "healthy": tm.healthy,
+            **tm.stats(),
+            **scheduler,
+        })
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        reply = await tm.query(to_sched.FlushCache)
+        if not reply["flushed"]:
+            raise ApiError("cache not flushed: requests are running; retry when idle", 400)
+        return Response("Cache flushed.\n", 200, media_type="text/plain")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if tm.metrics is None:
+            raise ApiError("metrics are off: start the server with --enable-metrics", 404)
+        return Response(tm.metrics.render(), 200, media_type=CONTENT_TYPE)
+
+    native_api.register(app, tm)
+    openai_api.register(app, tm, chat)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # type: ignore[arg-type]
+    return app
+
+
+def _model_info(tm: TokenizerManager) -> dict[str, Any]:
+    source = tm.source
+    return {
+        "model_path": source.display_path,
+        "tokenizer_path": str(source.tokenizer_folder) if source.tokenizer_folder else None,
+        "is_generation": True,
+        "served_model_name": tm.served_model_name,
+        "architecture": tm.info.architecture,
+        "context_length": tm.info.context_length,
+        "vocab_size": tm.info.vocab_size,
+        "preferred_sampling_params": None,
+    }
+
+
+def _probe_token(tm: TokenizerManager) -> int:
+    tok = tm.tokenizer
+    bos = getattr(tok, "bos_token_id", None) if tok is not None else None
+    return int(bos) if bos is not None else 0
+
+
+class ApiKeyMiddleware:
+    """'Authorization: Bearer KEY' on every route but /health* and /metrics (probes and
+    scrapers carry no key), as SGLang does. Plain ASGI: no per-request overhead beyond a compare."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _open_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        error = ApiError("invalid or missing API key", 401, code="invalid_api_key")
+        await json_response(error.body(), 401)(scope, receive, send)
+
+
+def _open_path(path: str) -> bool:
+    return path.startswith("/health") or path == "/metrics"

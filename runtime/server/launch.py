@@ -1,0 +1,200 @@
+"""`weft serve`: start the scheduler and detokenizer processes, then serve HTTP until a signal.
+
+    launcher (this process: HTTP server + tokenizer manager)
+      |-- scheduler process    (model, KV pool, Scheduler)
+      `-- detokenizer process  (incremental detokenization)
+
+Shutdown (SIGINT / SIGTERM): uvicorn stops accepting, pending requests end with a 503, the
+children get SIGTERM (SIGKILL after a grace period), the ipc folder is removed. Children also
+exit by themselves when this process dies without cleaning up (they watch their parent pid).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any
+
+import uvicorn
+import zmq
+
+from weft.runtime.detokenizer_process import run_detokenizer_process
+from weft.runtime.ipc import IpcNames, pull_socket, remove_ipc_folder, setup_logging
+from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
+from weft.runtime.messages.common import Fatal, ModelInfo, Ready
+from weft.runtime.model_runner import ModelSource, resolve_source
+from weft.runtime.scheduler_process import run_scheduler_process
+from weft.runtime.server.http_server import build_app
+from weft.runtime.server.tokenizer_manager import TokenizerManager
+from weft.runtime.server_config import ServerConfig
+from weft.runtime.tokenizer import load_tokenizer
+
+logger = logging.getLogger("weft")
+
+STARTUP_POLL_MS = 200
+CHILD_STOP_TIMEOUT_S = 5.0
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class _Interrupted(Exception):
+    """A signal arrived while loading (before uvicorn took over the signals)."""
+
+
+class ChildProcesses:
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, BaseProcess]] = []
+
+    def start(self, config: ServerConfig, source: ModelSource, ipc: IpcNames) -> None:
+        # NOTE: spawn, not fork: the parent may hold threads (tokenizers, torch) that fork
+        # would copy in a locked state.
+        ctx = multiprocessing.get_context("spawn")
+        me = os.getpid()
+        targets: list[tuple[str, Any, tuple[Any, ...]]] = [
+            ("scheduler", run_scheduler_process, (config, source, ipc, me)),
+            ("detokenizer", run_detokenizer_process,
+             (source.tokenizer_folder, config.log_level, ipc, me)),
+        ]
+        for name, target, args in targets:
+            proc = ctx.Process(target=target, args=args, name=f"weft-{name}", daemon=True)
+            proc.start()
+            self.procs.append((name, proc))
+
+    def first_dead(self) -> tuple[str, BaseProcess] | None:
+        return next(((n, p) for n, p in self.procs if not p.is_alive()), None)
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
+        for name, proc in self.procs:
+            proc.join(max(deadline - time.monotonic(), 0.0))
+            if proc.is_alive():
+                logger.warning("%s process did not stop; killing it", name)
+                proc.kill()
+                proc.join()
+        self.procs.clear()
+
+
+def _wait_ready(inbox: zmq.Socket, children: ChildProcesses) -> ModelInfo:
+    """Until the scheduler (model loaded) and the detokenizer (tokenizer loaded) are ready."""
+    while True:
+        if inbox.poll(STARTUP_POLL_MS):
+            msg = from_detok.decoder.decode(inbox.recv())
+            if isinstance(msg, Ready):
+                return msg.info
+            if isinstance(msg, Fatal):
+                raise StartupError(f"the {msg.process} process failed: {msg.message}")
+            continue
+        dead = children.first_dead()
+        if dead is not None:
+            name, proc = dead
+            raise StartupError(f"the {name} process exited during startup (code {proc.exitcode})")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: a ready line with the real port, and pending requests end at once when a
+    signal asks the server to stop (instead of holding the graceful shutdown open)."""
+
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager) -> None:
+        super().__init__(config)
+        self.tm = tm
+        self._failed_pending = False
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"weft: ready, serving {self.tm.served_model_name} at http://{shown}:{port} "
+                  "(native API: /generate, OpenAI API: /v1)", flush=True)
+
+    async def on_tick(self, counter: int) -> bool:
+        # NOTE: done here, on the event loop, not in the signal handler: a handler interrupts
+        # the loop at an arbitrary bytecode, in the middle of the manager's own bookkeeping.
+        if self.should_exit and not self._failed_pending:
+            self._failed_pending = True
+            self.tm.fail_all("the server is shutting down", 503)
+        return await super().on_tick(counter)
+
+
+def launch_server(config: ServerConfig) -> int:
+    """Serve until SIGINT / SIGTERM. Returns the process exit code."""
+    setup_logging(config.log_level)
+    signals = _SignalGate()
+    children = ChildProcesses()
+    ipc: IpcNames | None = None
+    ctx = zmq.Context()
+    model = config.model_path or "the embedded default model"
+    print(f"weft: loading {model}; will listen on http://{config.host}:{config.port}", flush=True)
+    try:
+        source = resolve_source(config.engine_config)
+        tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
+        ipc = IpcNames.create()
+        inbox = pull_socket(ctx, ipc.tokenizer)
+        children.start(config, source, ipc)
+        info = _wait_ready(inbox, children)
+        tm = TokenizerManager(config, source, tokenizer, info, ctx, inbox, ipc.scheduler,
+                              children.procs)
+        server = _Server(_uvicorn_config(build_app(tm), config), tm)
+        signals.serving = True  # uvicorn owns SIGINT/SIGTERM from here on
+        server.run()
+        print("weft: stopped", flush=True)
+        return 0
+    except _Interrupted:
+        print("weft: interrupted while starting", flush=True)
+        return 0
+    except (StartupError, ValueError, FileNotFoundError) as exc:
+        print(f"weft: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signals.serving = True  # a second signal must not cut the cleanup short
+        children.stop()
+        ctx.destroy(linger=0)
+        if ipc is not None:
+            remove_ipc_folder(ipc)
+        signals.restore()
+
+
+def _uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
+    level = config.log_level.lower()
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=level,
+        access_log=level == "debug",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=5,
+    )
+
+
+class _SignalGate:
+    """SIGINT / SIGTERM while loading abort the start; uvicorn handles them while serving (and
+    re-raises them once it has stopped, when they must do nothing more)."""
+
+    def __init__(self) -> None:
+        self.serving = False
+        self._previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+
+    def _handle(self, sig: int, frame: FrameType | None) -> None:
+        if not self.serving:
+            raise _Interrupted(signal.Signals(sig).name)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

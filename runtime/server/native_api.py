@@ -1,0 +1,243 @@
+"""SGLang's native API: POST /generate (single or batch, text or input_ids, stream or not).
+
+Responses have SGLang's shape: {"text", "output_ids", "meta_info"} per sample (a list for a
+batch or n > 1); a stream sends `data: {...}` events with the cumulative text and `data: [DONE]`.
+Logprob lists hold [logprob, token_id, text-or-null] entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from weft.runtime.messages.common import LogprobEntry
+from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
+from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
+from weft.runtime.server.sglang_params import parse_sampling_params
+from weft.runtime.server.tokenizer_manager import ReqState, TokenizerManager
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class GenerateReqInput(msgspec.Struct):
+    """The body of /generate; fields that take a scalar or a per-prompt list are typed Any and
+    checked by hand (msgspec unions cannot hold two array types)."""
+
+    text: Any = None
+    input_ids: Any = None
+    sampling_params: Any = None
+    rid: Any = None
+    return_logprob: Any = None
+    logprob_start_len: Any = None
+    top_logprobs_num: Any = None
+    return_text_in_logprobs: bool | None = None
+    stream: bool | None = None
+    # SGLang features weft does not have; accepted while null or false
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = None
+
+
+_UNSUPPORTED = (
+    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "session_params",
+    "custom_logit_processor", "token_ids_logprob", "return_hidden_states",
+)
+
+
+@dataclass
+class _Parsed:
+    reqs: list[GenerateRequest]
+    single: bool
+    stream: bool
+    text_in_logprobs: bool
+
+
+def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
+    try:
+        obj = msgspec.json.decode(body, type=GenerateReqInput)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+    for name in _UNSUPPORTED:
+        value = getattr(obj, name)
+        if value not in (None, False, [], {}):
+            raise not_supported(name, name)
+    ids_list, single = _prompt_ids(obj, tm)
+    count = len(ids_list)
+    params = _per_prompt(obj.sampling_params, count, single, "sampling_params", list_of=dict)
+    rids = _per_prompt(obj.rid, count, single, "rid", list_of=str, broadcast=False)
+    want = _per_prompt(obj.return_logprob, count, single, "return_logprob", list_of=bool)
+    starts = _per_prompt(obj.logprob_start_len, count, single, "logprob_start_len", list_of=int)
+    tops = _per_prompt(obj.top_logprobs_num, count, single, "top_logprobs_num", list_of=int)
+    reqs = []
+    for i, ids in enumerate(ids_list):
+        where = "sampling_params" if not isinstance(obj.sampling_params, list) else f"sampling_params[{i}]"
+        sp, explicit = parse_sampling_params(params[i], tm.info.vocab_size, where)
+        if want[i] not in (None, True, False):
+            raise bad_request("return_logprob must be a bool", "return_logprob")
+        start = None
+        if want[i]:
+            start = -1 if starts[i] is None else starts[i]
+        reqs.append(
+            tm.build_request(
+                ids, sp, explicit, start, 0 if tops[i] is None else tops[i], rids[i],
+                param="input_ids" if obj.text is None else "text",
+            )
+        )
+    return _Parsed(reqs, single, bool(obj.stream), bool(obj.return_text_in_logprobs))
+
+
+def _prompt_ids(obj: GenerateReqInput, tm: TokenizerManager) -> tuple[list[list[int]], bool]:
+    if (obj.text is None) == (obj.input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", "text")
+    if obj.text is not None:
+        if isinstance(obj.text, str):
+            return [tm.tokenize(obj.text, "text")], True
+        if isinstance(obj.text, list) and obj.text and all(isinstance(t, str) for t in obj.text):
+            return [tm.tokenize(t, f"text[{i}]") for i, t in enumerate(obj.text)], False
+        raise bad_request("text must be a non-empty string or a non-empty list of strings", "text")
+    ids = obj.input_ids
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        return [tm.check_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)], False
+    return [tm.check_ids(ids, "input_ids")], True
+
+
+def _per_prompt(
+    value: Any, count: int, single: bool, name: str, list_of: type, broadcast: bool = True
+) -> list[Any]:
+    """A per-prompt list for a batch, or one value for every prompt."""
+    if isinstance(value, list) and not single:
+        if len(value) != count:
+            raise bad_request(f"{name} has {len(value)} entries for {count} prompts", name)
+        return value
+    if value is not None and not broadcast and not single:
+        raise bad_request(f"{name} must be a list with one entry per prompt", name)
+    if isinstance(value, list):
+        raise bad_request(f"{name} must be a single {list_of.__name__} for a single prompt", name)
+    return [value] * count
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+def sample_output(
+    tm: TokenizerManager, state: ReqState, i: int, text_in_logprobs: bool
+) -> dict[str, Any]:
+    s = state.samples[i]
+    meta: dict[str, Any] = {
+        "id": state.rid,
+        "index": i,
+        "prompt_tokens": state.prompt_tokens,
+        "completion_tokens": len(s.output_ids),
+        "cached_tokens": s.cached_tokens,
+        "finish_reason": s.finish_reason,
+        "e2e_latency": (s.finished_at - state.created) if s.finished_at is not None else None,
+    }
+    if state.want_logprobs:
+        fmt = _LogprobFormat(tm, text_in_logprobs)
+        meta["output_token_logprobs"] = [fmt.entry(e) for e in s.output_logprobs]
+        meta["output_top_logprobs"] = [fmt.top(e) for e in s.output_logprobs]
+        inputs = s.input_logprobs or []
+        meta["input_token_logprobs"] = [fmt.entry(e) for e in inputs]
+        meta["input_top_logprobs"] = [fmt.top(e) for e in inputs]
+    return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
+
+
+class _LogprobFormat:
+    def __init__(self, tm: TokenizerManager, with_text: bool) -> None:
+        self.tm = tm
+        self.with_text = with_text
+
+    def _text(self, tid: int) -> str | None:
+        return self.tm.token_text(tid) if self.with_text else None
+
+    def entry(self, e: LogprobEntry) -> tuple[float | None, int, str | None]:
+        return (e[0], e[1], self._text(e[1]))
+
+    def top(self, e: LogprobEntry) -> list[tuple[float, int, str | None]] | None:
+        if not e[2]:
+            return None
+        return [(lp, tid, self._text(tid)) for lp, tid in e[2]]
+
+
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(content), status, media_type="application/json")
+
+
+def sse(content: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(content) + b"\n\n"
+
+
+async def _stream(
+    tm: TokenizerManager, states: list[ReqState], text_in_logprobs: bool
+) -> AsyncIterator[bytes]:
+    listener = states[0].listener
+    flat = [(state, i) for state in states for i in range(len(state.samples))]
+    try:
+        while True:
+            listener.clear()
+            for index, (state, i) in enumerate(flat):
+                sample = state.samples[i]
+                if sample.dirty:
+                    sample.dirty = False
+                    chunk = sample_output(tm, state, i, text_in_logprobs)
+                    chunk["index"] = index
+                    yield sse(chunk)
+            errors = [s.error for s in states if s.error is not None]
+            if errors:
+                yield sse(errors[0].body())
+                break
+            if all(s.finished for s in states):
+                break
+            await listener.wait()
+        yield SSE_DONE
+    finally:
+        # NOTE: runs when the client disconnects mid-stream (the generator is cancelled).
+        tm.abort_unfinished(states)
+
+
+def register(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        parsed = parse_generate(await request.body(), tm)
+        states = tm.submit(parsed.reqs)
+        if parsed.stream:
+            return StreamingResponse(
+                _stream(tm, states, parsed.text_in_logprobs), media_type="text/event-stream"
+            )
+        await tm.wait(states, request.is_disconnected)
+        outs = [
+            sample_output(tm, state, i, parsed.text_in_logprobs)
+            for state in states
+            for i in range(len(state.samples))
+        ]
+        if parsed.single and len(outs) == 1:
+            return json_response(outs[0])
+        return json_response(outs)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body() or b"{}", type=dict[str, Any])
+        except msgspec.DecodeError as exc:
+            raise from_decode_error(exc) from None
+        rid = body.get("rid")
+        if body.get("abort_all"):
+            for state_rid in list(tm.states):
+                tm.abort(state_rid)
+            return json_response({"success": True})
+        if not isinstance(rid, str) or not rid:
+            raise bad_request("rid must be a non-empty string", "rid")
+        if not tm.abort(rid):
+            raise ApiError(f"no running request has rid {rid!r}", 404, param="rid")
+        return json_response({"success": True})

@@ -1,0 +1,80 @@
+"""Request bodies of the OpenAI-compatible API, decoded (and type-checked) by msgspec.
+
+Unknown fields are ignored, as OpenAI clients send fields that do not change generation
+("user", "store", "metadata"). Fields below SGLang's extensions line are not OpenAI's but are
+what SGLang accepts there too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+    image_url: Any = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    stop_token_ids: list[int] | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    rid: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: Any = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = None  # a string, a list of strings, token ids, or a list of token-id lists
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
