@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from weft import Engine
+
+from common import (
     copy_bandwidth,
     decode_weight_bytes,
     describe_device,
     random_prompts,
     shared_prefix_prompts,
 )
-
-from weft import Engine  # noqa: E402
 
 
 def build_workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -112,12 +112,17 @@ def main() -> None:
     args = p.parse_args()
 
     common = dict(
-        tokenizer_path=args.tokenizer_path, load_format=args.load_format, dtype=args.dtype,
-        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size, log_level="warning",
+        tokenizer_path=args.tokenizer_path,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        log_level="warning",
     )
-    runs = [("radix cache on", False)] + ([("radix cache off", True)] if args.compare_no_cache
-                                          else [])
+    runs = [("radix cache on", False)] + (
+        [("radix cache off", True)] if args.compare_no_cache else []
+    )
     results = {}
     for label, disable in runs:
         engine = Engine(args.model_path, disable_radix_cache=disable, **common)
@@ -141,29 +146,48 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     print(f"\ndevice    : {describe_device(device)}")
-    print(f"model     : {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'} "
-          f"{config.architecture}, {dtype}, load_format={args.load_format}")
-    shape = (f"{args.groups} groups x system {args.system_len} + question {args.input_len}"
-             if args.workload == "shared-prefix" else f"input {args.input_len}")
-    print(f"workload  : {args.workload}, {len(prompts)} prompts, {shape}, output "
-          f"{args.output_len} (ignore_eos, greedy)")
+    print(
+        f"model     : {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'} "
+        f"{config.architecture}, {dtype}, load_format={args.load_format}"
+    )
+    shape = (
+        f"{args.groups} groups x system {args.system_len} + question {args.input_len}"
+        if args.workload == "shared-prefix"
+        else f"input {args.input_len}"
+    )
+    print(
+        f"workload  : {args.workload}, {len(prompts)} prompts, {shape}, output "
+        f"{args.output_len} (ignore_eos, greedy)"
+    )
     roof = bw * 1e9 / weight_bytes
-    print(f"roofline  : copy bandwidth {bw:.1f} GB/s, {weight_bytes / 1e9:.2f} GB of weights per "
-          f"decode step -> {roof:.1f} tok/s single stream")
+    print(
+        f"roofline  : copy bandwidth {bw:.1f} GB/s, {weight_bytes / 1e9:.2f} GB of weights per "
+        f"decode step -> {roof:.1f} tok/s single stream"
+    )
     print(f"single    : {single:.1f} tok/s decode ({single / roof:.2f}x the roofline)")
-    header = f"{'run':16} {'prompt tok/s':>13} {'output tok/s':>13} {'TTFT ms':>9} " \
-             f"{'ITL ms':>8} {'cache hit':>9} {'seconds':>8}"
+    header = (
+        f"{'run':16} {'prompt tok/s':>13} {'output tok/s':>13} {'TTFT ms':>9} "
+        f"{'ITL ms':>8} {'cache hit':>9} {'seconds':>8}"
+    )
     print(header)
     for label, r in results.items():
-        print(f"{label:16} {r['prompt_tok_s']:13.1f} {r['output_tok_s']:13.1f} "
-              f"{r['mean_ttft_ms']:9.1f} {r['mean_itl_ms']:8.1f} {r['cache_hit_rate']:9.2f} "
-              f"{r['elapsed_s']:8.2f}")
+        print(
+            f"{label:16} {r['prompt_tok_s']:13.1f} {r['output_tok_s']:13.1f} "
+            f"{r['mean_ttft_ms']:9.1f} {r['mean_itl_ms']:8.1f} {r['cache_hit_rate']:9.2f} "
+            f"{r['elapsed_s']:8.2f}"
+        )
     if "radix cache off" in results:
         on, off = results["radix cache on"], results["radix cache off"]
         print(f"cache on / off throughput: {off['elapsed_s'] / on['elapsed_s']:.2f}x")
     if args.json_out:
-        record = {"device": describe_device(device), "args": vars(args), "results": results,
-                  "single_stream_tok_s": single, "roofline_tok_s": roof, "copy_gb_s": bw}
+        record = {
+            "device": describe_device(device),
+            "args": vars(args),
+            "results": results,
+            "single_stream_tok_s": single,
+            "roofline_tok_s": roof,
+            "copy_gb_s": bw,
+        }
         with open(args.json_out, "a") as f:
             f.write(json.dumps(record) + "\n")
 

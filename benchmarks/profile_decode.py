@@ -25,8 +25,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=65536)
     args = p.parse_args()
-    engine = Engine(args.model_path, load_format=args.load_format, log_level="warning",
-                    max_total_tokens=args.max_total_tokens)
+    engine = Engine(
+        args.model_path,
+        load_format=args.load_format,
+        log_level="warning",
+        max_total_tokens=args.max_total_tokens,
+    )
     engine.shutdown()  # drive the scheduler from this thread
     sched = engine.scheduler
     cuda = engine.runner.device.type == "cuda"
@@ -47,8 +51,10 @@ def main() -> None:
 
     run(4, "w")
     per_step = run(args.steps, "t")
-    print(f"batch {args.batch}: {per_step * 1e3:.2f} ms per decode step, "
-          f"{args.batch / per_step:.1f} tok/s")
+    print(
+        f"batch {args.batch}: {per_step * 1e3:.2f} ms per decode step, "
+        f"{args.batch / per_step:.1f} tok/s"
+    )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         run(8, "p")

@@ -28,13 +28,18 @@ def build_batch(
     ids: list[int] = []
     positions: list[int] = []
     slots: list[torch.Tensor] = []
-    rows, seq_lens, prefix_lens, ext_lens, logits_rows = [], [], [], [], []
+    rows: list[int] = []
+    seq_lens: list[int] = []
+    prefix_lens: list[int] = []
+    ext_lens: list[int] = []
+    logits_rows: list[int] = []
     plans = []
     for req, n in work:
         start = req.kv_len
         slots.append(memory.allocate(req, n))
         ids.extend(req.fill_ids[start : start + n])
         positions.extend(range(start, start + n))
+        assert req.req_pool_idx is not None
         rows.append(req.req_pool_idx)
         seq_lens.append(start + n)
         prefix_lens.append(start)

@@ -20,7 +20,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if kind is bool:
             if default:
                 parser.add_argument(
-                    "--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                    "--no-" + f.name.replace("_", "-"),
+                    dest=f.name,
+                    action="store_false",
                     help=f"turn off: {help_text}",
                 )
             else:
@@ -28,8 +30,12 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.set_defaults(**{f.name: default})
             continue
         parser.add_argument(
-            flag, dest=f.name, type=kind, default=default,
-            help=f"{help_text} (default: {default})", **meta,
+            flag,
+            dest=f.name,
+            type=kind,
+            default=default,
+            help=f"{help_text} (default: {default})",
+            **meta,
         )
 
 

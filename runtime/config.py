@@ -29,9 +29,7 @@ class EngineConfig:
     tokenizer_path: str | None = field(
         default=None, metadata=_help("tokenizer folder (defaults to the model's)")
     )
-    load_format: str = field(
-        default="auto", metadata=_help("weights format", choices=LOAD_FORMATS)
-    )
+    load_format: str = field(default="auto", metadata=_help("weights format", choices=LOAD_FORMATS))
     dtype: str = field(default="auto", metadata=_help("compute dtype", choices=DTYPES))
     device: str = field(default="auto", metadata=_help("cpu, cuda or auto"))
     context_length: int | None = field(
@@ -46,9 +44,7 @@ class EngineConfig:
     cpu_kv_cache_gb: float = field(
         default=2.0, metadata=_help("KV pool memory on the CPU when max_total_tokens is unset")
     )
-    max_running_requests: int = field(
-        default=256, metadata=_help("max requests decoding at once")
-    )
+    max_running_requests: int = field(default=256, metadata=_help("max requests decoding at once"))
     chunked_prefill_size: int = field(
         default=2048, metadata=_help("max prompt tokens prefilled per step (chunked prefill)")
     )
@@ -80,7 +76,9 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
+            )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
 

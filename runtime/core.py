@@ -71,9 +71,7 @@ class Req:
     input_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] = field(
         default_factory=list
     )
-    output_logprobs: list[tuple[float, int, list[tuple[float, int]]]] = field(
-        default_factory=list
-    )
+    output_logprobs: list[tuple[float, int, list[tuple[float, int]]]] = field(default_factory=list)
     # text state, owned by the scheduler's output processor
     decoder: Any = None
     sent_len: int = 0  # text characters already reported to the caller

@@ -32,7 +32,7 @@ class IncrementalDecoder:
         self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, **self.kwargs)
+        return str(self.tokenizer.decode(ids, **self.kwargs))
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -29,7 +29,7 @@ from weft.runtime.tokenizer import end_token_ids, load_tokenizer
 
 logger = logging.getLogger("weft")
 
-SamplingArg = SamplingParams | dict[str, Any] | None
+SamplingArg: TypeAlias = SamplingParams | dict[str, Any] | None
 
 
 @dataclass
@@ -56,7 +56,9 @@ class Engine:
         started = time.perf_counter()
         source = resolve_source(self.config)
         ModelConfig.from_folder(source.folder)  # a bad config.json fails before anything loads
-        self.tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
+        self.tokenizer = (
+            load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
+        )
         self.runner = ModelRunner(self.config, source)
         self.model_config = self.runner.model_config
         self.end_ids = end_token_ids(self.tokenizer, self.model_config, source.folder)
@@ -91,8 +93,14 @@ class Engine:
         """Blocking generation. A single prompt gives a dict (a list of n dicts if n > 1); a
         batch gives a flat list in order, n entries per prompt."""
         reqs, single = self._build(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, namespace,
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            rid,
+            namespace,
         )
         pendings = self._submit_all(reqs)
         for p in pendings:
@@ -114,10 +122,20 @@ class Engine:
         namespace: str = "",
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Awaitable generation of one prompt (a list of n dicts if n > 1)."""
-        outputs = [o async for o in self.generate_stream(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, namespace, final_only=True,
-        )]
+        outputs = [
+            o
+            async for o in self.generate_stream(
+                prompt,
+                sampling_params,
+                input_ids,
+                return_logprob,
+                logprob_start_len,
+                top_logprobs_num,
+                rid,
+                namespace,
+                final_only=True,
+            )
+        ]
         return outputs[0] if len(outputs) == 1 else outputs
 
     async def generate_stream(
@@ -135,8 +153,14 @@ class Engine:
         """Yields chunks {text (cumulative), output_ids, meta_info, index}; the last chunk of each
         sample has meta_info.finish_reason set. Cancelling the iterator aborts the request."""
         reqs, _ = self._build(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, namespace,
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            rid,
+            namespace,
         )
         if len(reqs) != 1:
             raise ValueError("generate_stream takes one prompt")
@@ -246,7 +270,9 @@ class Engine:
             raise ValueError(
                 f"sampling_params has {len(params_list)} entries for {len(ids_list)} prompts"
             )
-        rids = [rid] if isinstance(rid, str) else (rid or [None] * len(ids_list))
+        rids: list[str | None] = [None] * len(ids_list)
+        if rid is not None:
+            rids = [rid] if isinstance(rid, str) else list(rid)
         if len(rids) != len(ids_list):
             raise ValueError(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
         logprob = None
@@ -265,8 +291,13 @@ class Engine:
                     f"({len(ids)})"
                 )
             reqs.append(
-                Req(rid=r or uuid.uuid4().hex, input_ids=ids, params=sp, logprob=logprob,
-                    namespace=namespace)
+                Req(
+                    rid=r or uuid.uuid4().hex,
+                    input_ids=ids,
+                    params=sp,
+                    logprob=logprob,
+                    namespace=namespace,
+                )
             )
         return reqs, single
 
@@ -330,7 +361,7 @@ class Engine:
                 if self.scheduler.has_work:
                     for update in self.scheduler.step():
                         self._dispatch(update)
-            except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+            except BaseException as exc:
                 logger.exception("engine step failed")
                 with self._cv:
                     self._broken = exc
@@ -349,7 +380,7 @@ class Engine:
             fn, box, done = payload
             try:
                 box["value"] = fn()
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            except Exception as exc:
                 box["error"] = exc
             done.set()
 

@@ -69,7 +69,9 @@ class ReqToTokenPool:
     """`req_to_token[row, pos]` = the KV slot of token `pos` of the request in `row`."""
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
-        self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int64, device=device)
+        self.req_to_token = torch.zeros(
+            (max_requests, max_context), dtype=torch.int64, device=device
+        )
         # A host mirror, so the scheduler reads slots without a device sync.
         self._host = (
             self.req_to_token
@@ -95,7 +97,9 @@ class ReqToTokenPool:
         end = start + slots.numel()
         self._host[row, start:end] = slots
         if self._host is not self.req_to_token:
-            self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, non_blocking=True)
+            self.req_to_token[row, start:end] = slots.to(
+                self.req_to_token.device, non_blocking=True
+            )
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end) as an int64 CPU tensor."""

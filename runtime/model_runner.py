@@ -134,7 +134,9 @@ class ModelRunner:
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint in {source.folder} lacks {len(missing)} tensor(s): {shown}")
+            raise ValueError(
+                f"checkpoint in {source.folder} lacks {len(missing)} tensor(s): {shown}"
+            )
 
     def _pool_size(self) -> int:
         cfg, config = self.model_config, self.config

@@ -9,9 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from weft.runtime.core import Req
 
 
-def request_output(
-    req: Req, tokenizer: PreTrainedTokenizerBase | None, rid: str
-) -> dict[str, Any]:
+def request_output(req: Req, tokenizer: PreTrainedTokenizerBase | None, rid: str) -> dict[str, Any]:
     end = req.finished_at if req.finished_at is not None else None
     meta: dict[str, Any] = {
         "id": rid,

@@ -91,12 +91,18 @@ class SamplingParams:
             if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {tid!r}")
             if vocab_size is not None and tid >= vocab_size:
-                raise ValueError(f"stop_token_ids entry {tid} is outside the vocabulary ({vocab_size})")
+                raise ValueError(
+                    f"stop_token_ids entry {tid} is outside the vocabulary ({vocab_size})"
+                )
         _int("n", self.n, low=1)
         if self.seed is not None:
             _int("seed", self.seed, low=0)
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "no_stop_trim"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "no_stop_trim",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -88,8 +88,7 @@ class Scheduler:
                 shared = Req(
                     rid=f"{req.rid}-prompt",
                     input_ids=req.input_ids,
-                    params=dataclasses.replace(req.params, max_new_tokens=0, min_new_tokens=0,
-                                               n=1),
+                    params=dataclasses.replace(req.params, max_new_tokens=0, min_new_tokens=0, n=1),
                     namespace=req.namespace,
                     hidden=True,
                     group_rid=req.rid,
@@ -105,8 +104,14 @@ class Scheduler:
         seed = None if req.params.seed is None else req.params.seed + i
         params = dataclasses.replace(req.params, n=1, seed=seed)
         return dataclasses.replace(
-            req, rid=f"{req.rid}-{i}", params=params, group_rid=req.rid, index=i, output_ids=[],
-            input_logprobs=[], output_logprobs=[],  # NOTE: replace() would share the lists
+            req,
+            rid=f"{req.rid}-{i}",
+            params=params,
+            group_rid=req.rid,
+            index=i,
+            output_ids=[],
+            input_logprobs=[],
+            output_logprobs=[],  # NOTE: replace() would share the lists
         )
 
     def _enqueue(self, req: Req) -> None:
@@ -294,7 +299,9 @@ class Scheduler:
         cache = self.memory.cache
 
         def cached(req: Req) -> int:
-            return cache.match_prefix(req.fill_ids[: req.prefix_match_limit()], req.namespace).length
+            return cache.match_prefix(
+                req.fill_ids[: req.prefix_match_limit()], req.namespace
+            ).length
 
         self.waiting.sort(key=lambda r: -cached(r))
 

@@ -9,19 +9,39 @@ import transformers
 
 CONFIGS = {
     "llama-gqa-untied": dict(
-        arch="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+        arch="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
     ),
     "llama31-scaled-tied": dict(
-        arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+        arch="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
         rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     ),
     "qwen2-bias": dict(
-        arch="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        arch="qwen2",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -33,8 +53,13 @@ def save_random_model(name: str, folder: Path, seed: int = 0) -> transformers.Pr
     arch = spec.pop("arch")
     cls_cfg = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
     config = cls_cfg(
-        vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, **spec,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **spec,
     )
     torch.manual_seed(seed)
     cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
@@ -50,10 +75,13 @@ def save_random_model(name: str, folder: Path, seed: int = 0) -> transformers.Pr
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            min_new_tokens=n,
             pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_logprobs(model: transformers.PreTrainedModel, prompt: list[int]) -> torch.Tensor:

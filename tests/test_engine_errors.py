@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 
-from conftest import make_engine
 from weft import Engine
+
+from conftest import make_engine
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,10 @@ def engine(stories_dir):
         ({"input_ids": [1], "sampling_params": {"n": 0}}, "n must be"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}}, "max_new_tokens"),
         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
-        ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5},
-         "logprob_start_len"),
+        (
+            {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5},
+            "logprob_start_len",
+        ),
         ({"prompt": "a", "input_ids": [1]}, "exactly one of prompt and input_ids"),
     ],
 )
@@ -46,8 +49,9 @@ def test_bad_requests_name_the_field(engine, kwargs, message):
 
 
 def test_generation_capped_by_context(engine):
-    out = engine.generate(input_ids=[1] * 500, sampling_params={"max_new_tokens": 100,
-                                                                "ignore_eos": True})
+    out = engine.generate(
+        input_ids=[1] * 500, sampling_params={"max_new_tokens": 100, "ignore_eos": True}
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "length"}
     assert 500 + len(out["output_ids"]) == engine.context_length == 512
 
@@ -75,20 +79,20 @@ def test_unknown_architecture(stories_dir, tmp_path):
 def test_missing_config_and_weights(stories_dir, tmp_path):
     folder = _copy(stories_dir, tmp_path)
     (folder / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="no .safetensors weights"):
+    with pytest.raises(FileNotFoundError, match=r"no .safetensors weights"):
         Engine(str(folder), show_progress=False)
     (folder / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config.json"):
         Engine(str(folder), show_progress=False)
 
 
 def test_corrupt_weights_and_config(stories_dir, tmp_path):
     folder = _copy(stories_dir, tmp_path)
     (folder / "model.safetensors").write_bytes(b"\x00" * 64)
-    with pytest.raises(ValueError, match="model.safetensors"):
+    with pytest.raises(ValueError, match=r"model.safetensors"):
         Engine(str(folder), show_progress=False)
     (folder / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
         Engine(str(folder), show_progress=False)
 
 

@@ -18,7 +18,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import fixture_path
 from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
@@ -45,6 +44,8 @@ from weft.runtime.loaders.gguf_convert import (
     llama3_rope_from_factors,
     unpermute_rows,
 )
+
+from conftest import fixture_path
 
 Q = gguf.GGMLQuantizationType
 SPM_VOCAB = ("llamacpp-vocab-tests", "ggml-vocab-llama-spm.gguf")

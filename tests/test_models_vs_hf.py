@@ -36,8 +36,11 @@ def test_prompt_logprobs_match_hf(pair):
     hf, engine = pair
     for prompt in _prompts(1)[1:]:
         out = engine.generate(
-            input_ids=prompt, sampling_params=_greedy(1), return_logprob=True,
-            logprob_start_len=0, top_logprobs_num=VOCAB,
+            input_ids=prompt,
+            sampling_params=_greedy(1),
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=VOCAB,
         )
         ref = hf_logprobs(hf, prompt)
         tops = out["meta_info"]["input_top_logprobs"]

@@ -8,8 +8,6 @@ import re
 
 import pytest
 
-from conftest import make_engine
-
 pytestmark = pytest.mark.slow
 
 
@@ -32,8 +30,11 @@ def _chat(engine, text: str) -> str:
 
 
 def test_chat_answers_with_the_json_and_stops_at_its_end_token(engine):
-    prompt = _chat(engine, "Give me a JSON object for a user named Ann, age 31, with fields "
-                           "name and age. Reply with only the JSON.")
+    prompt = _chat(
+        engine,
+        "Give me a JSON object for a user named Ann, age 31, with fields "
+        "name and age. Reply with only the JSON.",
+    )
     out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 128})
     found = re.search(r"\{.*\}", out["text"], re.S)
     assert found, out["text"]
@@ -47,8 +48,10 @@ def test_chat_answers_with_the_json_and_stops_at_its_end_token(engine):
 
 def test_every_end_token_of_the_model_is_known(engine):
     tok = engine.tokenizer
-    assert {tok.convert_tokens_to_ids("<|im_end|>"),
-            tok.convert_tokens_to_ids("<|endoftext|>")} <= engine.end_ids
+    assert {
+        tok.convert_tokens_to_ids("<|im_end|>"),
+        tok.convert_tokens_to_ids("<|endoftext|>"),
+    } <= engine.end_ids
 
 
 def test_special_token_text_in_a_prompt_is_tokenized_as_specials(engine):

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 
 import pytest
 import torch
 
-from conftest import make_engine
 from weft.runtime.core import LogprobRequest, Req
 from weft.runtime.sampler import _apply_penalties, _filtered_probs, sample
 from weft.runtime.sampling_params import SamplingParams
+
+from conftest import make_engine
 
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260K's vocabulary
 
@@ -46,8 +48,11 @@ def test_temperature_sharpens():
 
 
 def test_penalties_exact_values():
-    req = Req("r", [0], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25,
-                                       repetition_penalty=2.0))
+    req = Req(
+        "r",
+        [0],
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0),
+    )
     req.output_ids = [1, 1, 2]
     logits = torch.tensor([[1.0, 2.0, -2.0, 3.0]])
     _apply_penalties(logits, [req])
@@ -74,8 +79,10 @@ def _greedy(engine, **extra):
 
 
 def test_top_k_1_is_greedy(engine):
-    sampled = engine.generate(input_ids=PROMPT, sampling_params={
-        "temperature": 0.8, "top_k": 1, "max_new_tokens": 40, "ignore_eos": True})
+    sampled = engine.generate(
+        input_ids=PROMPT,
+        sampling_params={"temperature": 0.8, "top_k": 1, "max_new_tokens": 40, "ignore_eos": True},
+    )
     assert sampled["output_ids"] == _greedy(engine, max_new_tokens=40)["output_ids"]
 
 
@@ -124,8 +131,9 @@ def test_end_tokens_from_generation_config(engine, stories_dir, tmp_path):
     out = _greedy(eng, max_new_tokens=400, ignore_eos=False)
     assert out["output_ids"] == full["output_ids"][: end_at + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 1}
-    assert out["text"] == engine.tokenizer.decode(full["output_ids"][:end_at],
-                                                  skip_special_tokens=True)
+    assert out["text"] == engine.tokenizer.decode(
+        full["output_ids"][:end_at], skip_special_tokens=True
+    )
     ignored = _greedy(eng, max_new_tokens=400)
     assert ignored["output_ids"] == full["output_ids"]
     later = _greedy(eng, max_new_tokens=400, ignore_eos=False, min_new_tokens=end_at + 3)
@@ -134,13 +142,17 @@ def test_end_tokens_from_generation_config(engine, stories_dir, tmp_path):
 
 
 def test_output_logprobs_with_top_alternatives(engine):
-    out = engine.generate(input_ids=PROMPT, sampling_params={"temperature": 0,
-                          "max_new_tokens": 8, "ignore_eos": True},
-                          return_logprob=True, top_logprobs_num=3)
+    out = engine.generate(
+        input_ids=PROMPT,
+        sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+        return_logprob=True,
+        top_logprobs_num=3,
+    )
     meta = out["meta_info"]
     assert [tid for _, tid, _ in meta["output_token_logprobs"]] == out["output_ids"]
-    for (lp, tid, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"],
-                                 strict=True):
+    for (lp, tid, _), top in zip(
+        meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True
+    ):
         assert len(top) == 3 and top[0][1] == tid and top[0][0] == pytest.approx(lp)
         assert top[0][0] >= top[1][0] >= top[2][0]
     assert "input_token_logprobs" not in meta
@@ -155,7 +167,7 @@ def test_stream_chunks_end_with_the_final_text(engine):
     chunks = asyncio.run(run())
     final = engine.generate(input_ids=PROMPT, sampling_params=params)
     texts = [c["text"] for c in chunks]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert texts[-1] == final["text"] and "girl" not in texts[-1]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "girl"}
 
@@ -166,7 +178,10 @@ def test_logprob_request_defaults():
 
 def test_penalties_end_to_end_reduce_repetition(engine):
     plain = _greedy(engine, max_new_tokens=120)["output_ids"]
-    for extra in ({"repetition_penalty": 1.8}, {"frequency_penalty": 1.5},
-                  {"presence_penalty": 1.5}):
+    for extra in (
+        {"repetition_penalty": 1.8},
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 1.5},
+    ):
         out = _greedy(engine, max_new_tokens=120, **extra)["output_ids"]
         assert len(set(out)) > len(set(plain)), extra

@@ -72,17 +72,23 @@ def test_fcfs_keeps_arrival_order(stories_dir):
 def test_chunked_prefill_mixed_with_decode(stories_dir, big):
     long_prompt = _prompts(1, seed=4)[0] * 10  # ~100+ tokens: several chunks of 16
     short = _prompts(3, seed=5)
-    ref = [o["output_ids"] for o in big.generate(input_ids=short + [long_prompt],
-                                                 sampling_params=GREEDY)]
-    engine = make_engine(stories_dir, max_total_tokens=4096, chunked_prefill_size=16,
-                         disable_radix_cache=True)
+    ref = [
+        o["output_ids"]
+        for o in big.generate(input_ids=short + [long_prompt], sampling_params=GREEDY)
+    ]
+    engine = make_engine(
+        stories_dir, max_total_tokens=4096, chunked_prefill_size=16, disable_radix_cache=True
+    )
 
     async def run():
-        first = [asyncio.ensure_future(engine.async_generate(input_ids=p, sampling_params=GREEDY))
-                 for p in short]
+        first = [
+            asyncio.ensure_future(engine.async_generate(input_ids=p, sampling_params=GREEDY))
+            for p in short
+        ]
         await asyncio.sleep(0.05)  # the short ones are decoding when the long one arrives
-        last = asyncio.ensure_future(engine.async_generate(input_ids=long_prompt,
-                                                           sampling_params=GREEDY))
+        last = asyncio.ensure_future(
+            engine.async_generate(input_ids=long_prompt, sampling_params=GREEDY)
+        )
         return await asyncio.gather(*first, last)
 
     outs = asyncio.run(run())
@@ -93,8 +99,9 @@ def test_chunked_prefill_mixed_with_decode(stories_dir, big):
 def test_abort_mid_stream_frees_kv(big):
     async def run():
         chunks = 0
-        stream = big.generate_stream(input_ids=_prompts(1, seed=6)[0],
-                                     sampling_params={**GREEDY, "max_new_tokens": 400})
+        stream = big.generate_stream(
+            input_ids=_prompts(1, seed=6)[0], sampling_params={**GREEDY, "max_new_tokens": 400}
+        )
         async for _ in stream:
             chunks += 1
             if chunks == 3:
@@ -109,9 +116,13 @@ def test_abort_mid_stream_frees_kv(big):
 
 def test_abort_by_rid(big):
     async def run():
-        task = asyncio.ensure_future(big.async_generate(
-            input_ids=_prompts(1, seed=7)[0], rid="victim",
-            sampling_params={**GREEDY, "max_new_tokens": 500}))
+        task = asyncio.ensure_future(
+            big.async_generate(
+                input_ids=_prompts(1, seed=7)[0],
+                rid="victim",
+                sampling_params={**GREEDY, "max_new_tokens": 500},
+            )
+        )
         await asyncio.sleep(0.05)
         big.abort("victim")
         return await task

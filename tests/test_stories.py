@@ -36,8 +36,11 @@ def test_first_16_positions_match_reference_logits(engine, golden):
     ids = ref["input_ids"]
     vocab = engine.model_config.vocab_size
     out = engine.generate(
-        input_ids=ids + [0], sampling_params={"max_new_tokens": 0}, return_logprob=True,
-        logprob_start_len=1, top_logprobs_num=vocab,
+        input_ids=ids + [0],
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=1,
+        top_logprobs_num=vocab,
     )
     tops = out["meta_info"]["input_top_logprobs"]  # entry i scores position i + 1
     assert len(tops) == len(ids)
@@ -53,7 +56,9 @@ def test_teacher_forced_nll(engine, golden):
     gold = golden["teacher_forced_perplexity"]
     ids = gold["input_ids_with_bos"]
     out = engine.generate(
-        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
         logprob_start_len=0,
     )
     entries = out["meta_info"]["input_token_logprobs"]

@@ -42,7 +42,7 @@ def iter_safetensors(
     total = sum(len(list(h.keys())) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for path, handle in zip(files, handles, strict=True):
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not iterable
                 try:
                     tensor = handle.get_tensor(name)
                 except Exception as exc:
@@ -61,7 +61,5 @@ def init_dummy(model: torch.nn.Module, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
             continue
-        gen = gens.setdefault(
-            param.device, torch.Generator(device=param.device).manual_seed(seed)
-        )
+        gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
         param.data.normal_(0.0, 0.02, generator=gen)

@@ -106,6 +106,8 @@ class Rotary(nn.Module):
         super().__init__()
         inv = rope_inv_freq(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.head_dim = head_dim
@@ -115,7 +117,7 @@ class Rotary(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [T, heads, head_dim] -> same shape and dtype."""
         cos, sin = cos_sin
         x1, x2 = x.float().chunk(2, dim=-1)

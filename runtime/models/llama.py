@@ -46,13 +46,16 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnLinear(cfg.hidden_size, self.splits, cfg.attention_bias, dtype)
         self.o_proj = RowLinear(q_size, cfg.hidden_size, dtype)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, batch: ForwardBatch,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RopeTables, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.splits
         # one rotary pass over q and k together: [T, Hq + Hkv, D] (a strided view of qkv)
-        qk = Rotary.apply(qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                            self.head_dim), rope)
+        qk = Rotary.rotate(
+            qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+            rope,
+        )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.forward(q, k, v, self.layer, batch))
@@ -99,9 +102,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, dtype)
