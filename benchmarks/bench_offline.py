@@ -91,6 +91,23 @@ def single_stream_decode(engine: Engine, vocab: int, output_len: int) -> float:
     return out["meta_info"]["completion_tokens"] / (time.perf_counter() - t)
 
 
+def hf_single_stream(
+    folder: str, dtype: torch.dtype, device: torch.device, vocab: int, output_len: int
+) -> float:
+    """HF transformers greedy decode of the same weights, single stream (the same-run baseline)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    prompt = torch.tensor([random_prompts(1, 16, vocab, seed=99)[0] + [1001]], device=device)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kwargs)
+    t = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+    elapsed = time.perf_counter() - t
+    del model
+    return (out.shape[1] - prompt.shape[1]) / elapsed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the embedded default model")
@@ -107,6 +124,11 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=2, help="shared-prefix: number of groups")
     p.add_argument("--system-len", type=int, default=512, help="shared-prefix: prefix tokens")
     p.add_argument("--compare-no-cache", action="store_true")
+    p.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="also time HF transformers single-stream decode on the same weights",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None, help="append the results as one JSON line")
     args = p.parse_args()
@@ -139,12 +161,16 @@ def main() -> None:
             single = single_stream_decode(engine, vocab, args.output_len)
             config = engine.model_config
             dtype = str(engine.runner.dtype).removeprefix("torch.")
+            torch_dtype, folder = engine.runner.dtype, str(engine.source.folder)
         engine.shutdown()
         del engine  # NOTE: the next run's engine sizes its KV pool from the memory left free
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    hf = None
+    if args.hf_baseline:
+        hf = hf_single_stream(folder, torch_dtype, device, vocab, args.output_len)
     print(f"\ndevice    : {describe_device(device)}")
     print(
         f"model     : {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'} "
@@ -165,6 +191,10 @@ def main() -> None:
         f"decode step -> {roof:.1f} tok/s single stream"
     )
     print(f"single    : {single:.1f} tok/s decode ({single / roof:.2f}x the roofline)")
+    if hf is not None:
+        print(
+            f"HF        : {hf:.1f} tok/s decode, same weights and dtype (weft {single / hf:.2f}x)"
+        )
     header = (
         f"{'run':16} {'prompt tok/s':>13} {'output tok/s':>13} {'TTFT ms':>9} "
         f"{'ITL ms':>8} {'cache hit':>9} {'seconds':>8}"
