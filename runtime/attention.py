@@ -48,8 +48,10 @@ class TorchAttention(AttentionBackend):
         table = self.req_to_token.req_to_token
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu)
-            self._slots = table[batch.req_pool_indices, :max_len]  # [B, L]
             keep = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens[:, None]
+            # NOTE: past a request's length its row holds stale slots that may now belong to other
+            # requests (and hold inf/NaN that a mask does not neutralise): read slot 0 there.
+            self._slots = torch.where(keep, table[batch.req_pool_indices, :max_len], 0)  # [B, L]
             self._decode_mask = keep[:, None, None, :]  # [B, 1, 1, L]
             return
         self._per_req = []

@@ -8,6 +8,7 @@ event loop for `async_generate`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -40,7 +41,8 @@ class _Pending:
     reqs: list[Req] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    on_update: Callable[[_Pending, ReqUpdate | None], None] | None = None
+    # streaming: gets each chunk (built on the engine thread), then None at the end
+    on_update: Callable[[dict[str, Any] | None], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -136,6 +138,7 @@ class Engine:
                 final_only=True,
             )
         ]
+        outputs.sort(key=lambda o: o["meta_info"]["index"])
         return outputs[0] if len(outputs) == 1 else outputs
 
     async def generate_stream(
@@ -165,30 +168,27 @@ class Engine:
         if len(reqs) != 1:
             raise ValueError("generate_stream takes one prompt")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[ReqUpdate | None] = asyncio.Queue()
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-        def on_update(_: _Pending, update: ReqUpdate | None) -> None:
+        def on_update(chunk: dict[str, Any] | None) -> None:
             # NOTE: raises RuntimeError once the caller's loop is closed; _dispatch then aborts.
-            loop.call_soon_threadsafe(queue.put_nowait, update)
+            loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
         pending = self._submit(reqs[0], on_update)
         try:
             while True:
-                update = await queue.get()
-                if update is None:  # all samples finished, or the engine failed
+                chunk = await queue.get()
+                if chunk is None:  # all samples finished, or the request/engine failed
                     if pending.error is not None:
-                        raise RuntimeError(f"generation failed: {pending.error}") from pending.error
+                        raise _failure(pending.error)
                     return
-                req = update.req
-                if final_only and not update.finished:
+                if final_only and chunk["meta_info"]["finish_reason"] is None:
                     continue
-                chunk = request_output(req, self.tokenizer, req.group_rid or req.rid)
-                chunk["text"] = update.text
-                chunk["output_ids"] = chunk["output_ids"][: update.num_output_ids]
                 yield chunk
         finally:
-            if not pending.finished:
-                self.abort(reqs[0].rid)
+            if not pending.finished and pending.error is None:
+                with contextlib.suppress(RuntimeError):  # the engine may be gone already
+                    self.abort(reqs[0].rid)
 
     def abort(self, rid: str) -> None:
         self._post("abort", rid)
@@ -326,7 +326,7 @@ class Engine:
     # ---- the engine thread -------------------------------------------------------------------
 
     def _submit(
-        self, req: Req, on_update: Callable[[_Pending, ReqUpdate | None], None] | None = None
+        self, req: Req, on_update: Callable[[dict[str, Any] | None], None] | None = None
     ) -> _Pending:
         pending = _Pending(n=req.params.n, on_update=on_update)
         self._post("add", [(req, pending)])
@@ -356,7 +356,8 @@ class Engine:
                     break
                 inbox, self._inbox = self._inbox, []
             try:
-                for kind, payload in inbox:
+                while inbox:
+                    kind, payload = inbox.pop(0)
                     self._handle(kind, payload)
                 if self.scheduler.has_work:
                     for update in self.scheduler.step():
@@ -365,14 +366,21 @@ class Engine:
                 logger.exception("engine step failed")
                 with self._cv:
                     self._broken = exc
-                self._fail_all(exc)
+                self._fail_all(exc, inbox)
                 return
-        self._fail_all(RuntimeError("the engine was shut down"))
+        self._fail_all(RuntimeError("the engine was shut down"), [])
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
             for req, pending in payload:
-                pending.reqs = self.scheduler.add(req)
+                if req.rid in self._pending:
+                    self._reject(pending, ValueError(f"rid {req.rid!r} is already in use"))
+                    continue
+                try:
+                    pending.reqs = self.scheduler.add(req)
+                except Exception as exc:  # this request only; the others go on
+                    self._reject(pending, exc)
+                    continue
                 self._pending[req.rid] = pending
         elif kind == "abort":
             self.scheduler.abort(payload)
@@ -389,46 +397,66 @@ class Engine:
         pending = self._pending.get(key)
         if pending is None:
             return
-        if not self._notify(pending, update):
-            # the caller went away (its event loop closed): stop generating for it
-            del self._pending[key]
-            self.scheduler.abort(key)
-            return
+        if pending.on_update is not None:
+            req = update.req
+            chunk = request_output(req, self.tokenizer, key)
+            chunk["text"] = update.text  # without a held-back stop-string prefix
+            if not self._notify(pending, chunk):
+                # the caller went away (its event loop closed): stop generating for it
+                del self._pending[key]
+                self.scheduler.abort(key)
+                return
         if pending.finished:
             del self._pending[key]
             self._notify(pending, None)
             pending.done.set()
 
     @staticmethod
-    def _notify(pending: _Pending, update: ReqUpdate | None) -> bool:
+    def _notify(pending: _Pending, chunk: dict[str, Any] | None) -> bool:
         if pending.on_update is None:
             return True
         try:
-            pending.on_update(pending, update)
+            pending.on_update(chunk)
         except RuntimeError:
             return False
         return True
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _reject(self, pending: _Pending, exc: BaseException) -> None:
+        pending.error = exc
+        self._notify(pending, None)
+        pending.done.set()
+
+    def _fail_all(self, exc: BaseException, unhandled: list[tuple[str, Any]]) -> None:
+        """Every waiter hears about it: running requests, and messages not handled yet."""
         for pending in self._pending.values():
-            pending.error = exc
-            self._notify(pending, None)
-            pending.done.set()
+            self._reject(pending, exc)
         self._pending.clear()
         with self._cv:
-            for kind, payload in self._inbox:
-                if kind == "call":
-                    payload[1]["error"] = RuntimeError(f"engine stopped: {exc}")
-                    payload[2].set()
-            self._inbox.clear()
+            unhandled = unhandled + self._inbox
+            self._inbox = []
+        stopped = RuntimeError(f"engine stopped: {exc}")
+        for kind, payload in unhandled:
+            if kind == "add":
+                for _, pending in payload:
+                    self._reject(pending, stopped)
+            elif kind == "call":
+                payload[1]["error"] = stopped
+                payload[2].set()
 
     def _collect(self, pending: _Pending) -> list[dict[str, Any]]:
         if pending.error is not None:
-            raise RuntimeError(f"generation failed: {pending.error}") from pending.error
+            raise _failure(pending.error)
         return [
             request_output(r, self.tokenizer, r.group_rid or r.rid)
             for r in sorted(pending.reqs, key=lambda r: r.index)
         ]
+
+
+def _failure(error: BaseException) -> BaseException:
+    """A request's own error (bad input) as itself; an engine failure wrapped."""
+    if isinstance(error, ValueError):
+        return ValueError(str(error))
+    return RuntimeError(f"generation failed: {error}")
 
 
 def _setup_logging(level: str) -> None:

@@ -1,8 +1,8 @@
 """Paged KV memory: token slots per layer, a free list, and the request -> slots table.
 
 Page size is one token: a slot holds the K and V of one token in every layer.
-NOTE: slot 0 is reserved and never handed out; padded rows of `req_to_token` point at it, so a
-kernel that reads past a request's length reads harmless memory instead of another request's KV.
+NOTE: slot 0 is reserved, never handed out and stays zero: attention backends point padded
+positions at it, so they read harmless memory instead of another request's KV.
 """
 
 from __future__ import annotations

@@ -104,4 +104,12 @@ def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     if bool((min_p > 0).any()):
         peak = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_p[:, None] * peak, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    # NOTE: extreme penalties can leave a row without finite mass; fall back to its best token
+    probs = torch.nan_to_num(probs, nan=0.0, posinf=0.0, neginf=0.0)
+    mass = probs.sum(dim=-1, keepdim=True)
+    empty = mass[:, 0] <= 0
+    if bool(empty.any()):
+        best = torch.nan_to_num(logits[empty], nan=float("-inf")).argmax(dim=-1)
+        probs[empty] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
+        mass = probs.sum(dim=-1, keepdim=True)
+    return probs / mass

@@ -8,6 +8,10 @@ from typing import Any
 
 # NOTE: the field names follow SGLang's sampling_params so that its clients work unchanged.
 
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
+MAX_N = 128  # samples per request (OpenAI's cap)
+MAX_SEED = 2**63 - 1 - MAX_N  # seeds of the n samples are seed .. seed + n - 1
+
 
 @dataclass
 class SamplingParams:
@@ -53,7 +57,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # NOTE: a temperature this small overflows logits / temperature; it means greedy anyway
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -80,9 +85,7 @@ class SamplingParams:
         _num("min_p", self.min_p, low=0.0, high=1.0)
         _num("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _num("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        _num("repetition_penalty", self.repetition_penalty, low=0.0, high=2.0)
-        if self.repetition_penalty == 0.0:
-            raise ValueError("repetition_penalty must be > 0, got 0")
+        _num("repetition_penalty", self.repetition_penalty, low=0.01, high=2.0)
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError("stop must be a string or a list of strings")
         if any(s == "" for s in self.stop):
@@ -94,9 +97,9 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids entry {tid} is outside the vocabulary ({vocab_size})"
                 )
-        _int("n", self.n, low=1)
+        _int("n", self.n, low=1, high=MAX_N)
         if self.seed is not None:
-            _int("seed", self.seed, low=0)
+            _int("seed", self.seed, low=0, high=MAX_SEED)
         for name in (
             "ignore_eos",
             "skip_special_tokens",
@@ -107,11 +110,13 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
-def _int(name: str, value: Any, low: int) -> None:
+def _int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
 
 
 def _num(name: str, value: Any, low: float, high: float | None = None) -> None:

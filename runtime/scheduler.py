@@ -31,8 +31,11 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 LPM_MAX_QUEUE = 128  # past this, prefix matching the whole queue costs more than it saves
-PROMPT_LOGITS_CHUNK = 256
-IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens with one admitted  # rows of [rows, vocab] float32 logits computed at once
+PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at once
+IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens with one admitted
+# NOTE: internal rids (n > 1 children, the shared prompt) join the caller's rid with a character
+# that request ids in practice never contain, so they cannot collide with a caller's own rid.
+RID_SEP = "\x1f"
 
 
 @dataclass
@@ -84,9 +87,10 @@ class Scheduler:
         children = [req]
         if req.params.n > 1:
             children = [self._child(req, i) for i in range(req.params.n)]
-            if self.memory.cache.enabled:
+            scores_prompt = req.logprob is not None and req.logprob.start_len >= 0
+            if self.memory.cache.enabled and not scores_prompt:
                 shared = Req(
-                    rid=f"{req.rid}-prompt",
+                    rid=f"{req.rid}{RID_SEP}prompt",
                     input_ids=req.input_ids,
                     params=dataclasses.replace(req.params, max_new_tokens=0, min_new_tokens=0, n=1),
                     namespace=req.namespace,
@@ -105,7 +109,7 @@ class Scheduler:
         params = dataclasses.replace(req.params, n=1, seed=seed)
         return dataclasses.replace(
             req,
-            rid=f"{req.rid}-{i}",
+            rid=f"{req.rid}{RID_SEP}{i}",
             params=params,
             group_rid=req.rid,
             index=i,
@@ -115,7 +119,7 @@ class Scheduler:
         )
 
     def _enqueue(self, req: Req) -> None:
-        seed = req.params.seed if req.params.seed is not None else next(self._seeds)
+        seed = req.params.seed if req.params.seed is not None else next(self._seeds) % 2**63
         req.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self.output.start(req)
         self.waiting.append(req)
@@ -241,9 +245,13 @@ class Scheduler:
     def _reserved(self) -> int:
         """KV the running requests will still need (prompt rest + a share of new tokens)."""
         return sum(
-            r.seq_len - r.kv_len + math.ceil(r.remaining_new_tokens * self.new_token_ratio)
+            r.seq_len - r.kv_len + math.ceil(self._future_tokens(r) * self.new_token_ratio)
             for r in self.running
         )
+
+    def _future_tokens(self, req: Req) -> int:
+        """New tokens the request may still produce (max_new_tokens capped by the context)."""
+        return min(req.remaining_new_tokens, self.max_seq_len - req.seq_len)
 
     def _admit(self, budget: int, committed: int) -> list[tuple[Req, int]]:
         work: list[tuple[Req, int]] = []
@@ -260,7 +268,7 @@ class Scheduler:
             self.memory.admit(req)
             remaining = req.seq_len - req.kv_len
             n = min(remaining, budget)
-            need = remaining + math.ceil(req.remaining_new_tokens * self.new_token_ratio)
+            need = remaining + math.ceil(self._future_tokens(req) * self.new_token_ratio)
             free = self.memory.available - committed
             if n > free or (self.running and need > free - self._reserved()):
                 self.memory.release(req)
@@ -279,7 +287,7 @@ class Scheduler:
         """Whether req shares a long uncached prefix with a request admitted in this step."""
         if not self.memory.cache.enabled or not admitted:
             return False
-        ids = req.fill_ids
+        ids = req.fill_ids[: req.prefix_match_limit()]
         for other in admitted:
             if other.namespace != req.namespace:
                 continue

@@ -112,3 +112,89 @@ def test_bad_config_values():
         Engine("/x", dtype="float8")
     with pytest.raises(ValueError, match="chunked_prefill_size must be >= 1"):
         Engine("/x", chunked_prefill_size=0)
+
+
+def test_checkpoint_missing_one_shard_of_a_merged_weight(stories_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(stories_dir, tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.qkv_proj\.weight"):
+        Engine(str(folder), show_progress=False)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1e-40},
+        {"temperature": 1e-300, "top_p": 1e-300},
+        {"temperature": 1.0, "top_p": 1e-300, "min_p": 1.0},
+    ],
+)
+def test_extreme_but_valid_sampling_values_do_not_break_the_engine(engine, params):
+    out = engine.generate(
+        input_ids=[1, 403], sampling_params={**params, "max_new_tokens": 4, "ignore_eos": True}
+    )
+    greedy = engine.generate(
+        input_ids=[1, 403],
+        sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+    )
+    assert out["output_ids"] == greedy["output_ids"]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"seed": 2**64 - 1, "n": 2}, "seed must be <="),
+        ({"n": 1000}, "n must be <= 128"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ],
+)
+def test_out_of_range_values_are_rejected(engine, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(input_ids=[1, 403], sampling_params=params)
+
+
+def test_duplicate_rid_is_rejected_and_the_other_completes(engine):
+    import asyncio
+
+    async def run():
+        first = asyncio.ensure_future(
+            engine.async_generate(
+                input_ids=[1, 403],
+                rid="dup",
+                sampling_params={"max_new_tokens": 200, "ignore_eos": True},
+            )
+        )
+        await asyncio.sleep(0.02)
+        with pytest.raises(ValueError, match="rid 'dup' is already in use"):
+            await engine.async_generate(input_ids=[1, 404], rid="dup")
+        return await first
+
+    out = asyncio.run(run())
+    assert len(out["output_ids"]) == 200
+
+
+def test_requests_posted_before_shutdown_do_not_hang(stories_dir):
+    eng = make_engine(stories_dir, max_total_tokens=1024)
+    import threading
+
+    errors = []
+
+    def call():
+        try:
+            eng.generate(
+                input_ids=[1, 403], sampling_params={"max_new_tokens": 400, "ignore_eos": True}
+            )
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    eng.shutdown()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)

@@ -128,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors; returns the names of the parameters that were filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        shards: dict[str, set[int]] = {}  # merged parameter -> shards seen
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -141,7 +142,11 @@ class LlamaForCausalLM(nn.Module):
                 module = self.get_submodule(f"{parent}.{merged}")
                 assert isinstance(module, ColumnLinear)
                 module.load_shard(leaf, shard, tensor)
-                loaded.add(f"{parent}.{merged}.{leaf}")
+                target = f"{parent}.{merged}.{leaf}"
+                shards.setdefault(target, set()).add(shard)
+                # NOTE: a merged parameter counts as loaded only once every shard arrived
+                if len(shards[target]) == len(module.shard_sizes):
+                    loaded.add(target)
                 continue
             if name not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
