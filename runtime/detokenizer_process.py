@@ -118,7 +118,7 @@ def run_detokenizer_process(
             outbox.send(to_tm.encoder.encode(out))
             if watch.due() and not watch.parent_alive():
                 break
-    except Exception as exc:  # noqa: BLE001 - reported to the server, then the process exits
+    except Exception as exc:  # reported to the server, then the process exits
         logger.exception("detokenizer failed")
         outbox.send(to_tm.encoder.encode(Fatal("detokenizer", f"{type(exc).__name__}: {exc}")))
         outbox.close(linger=1000)

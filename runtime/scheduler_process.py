@@ -71,6 +71,7 @@ class SchedulerService:
         self.source = source
         self._progress: dict[str, _Progress] = {}
         self._starts: list[to_detok.DecodeStart] = []
+        self._rejected: list[to_detok.TokenUpdate] = []
         self.num_requests = 0
         self.num_aborted = 0
 
@@ -89,7 +90,7 @@ class SchedulerService:
 
     def serve(self, inbox: zmq.Socket, outbox: zmq.Socket, watch: ParentWatch) -> None:
         while True:
-            busy = self.scheduler.has_work
+            busy = self.has_work
             if inbox.poll(0 if busy else IDLE_POLL_MS):
                 while True:
                     try:
@@ -99,7 +100,7 @@ class SchedulerService:
                     reply = self.handle(from_tm.decoder.decode(raw))
                     if reply is not None:
                         outbox.send(to_detok.encoder.encode(reply))
-            if self.scheduler.has_work:
+            if self.has_work:
                 step = self.step()
                 if step.updates or step.starts:
                     outbox.send(to_detok.encoder.encode(step))
@@ -124,23 +125,50 @@ class SchedulerService:
         logprob = None
         if r.logprob_start_len is not None:
             logprob = LogprobRequest(start_len=r.logprob_start_len, top_k=r.top_logprobs_num)
-        req = Req(rid=r.rid, input_ids=r.input_ids, params=r.params, logprob=logprob,
-                  namespace=r.namespace)
+        req = Req(
+            rid=r.rid,
+            input_ids=r.input_ids,
+            params=r.params,
+            logprob=logprob,
+            namespace=r.namespace,
+        )
         if not r.params.stop:
             req.decoder = _NO_TEXT
         self.num_requests += 1
         hold = max((len(s) for s in r.params.stop), default=1) - 1
-        for child in self.scheduler.add(req):
+        try:
+            children = self.scheduler.add(req)
+        except Exception as exc:  # the server validated it: a bug, but only this request's
+            logger.exception("scheduler: cannot add request %s", r.rid)
+            self._reject(r, hold, f"the scheduler refused the request: {exc}")
+            return
+        for child in children:
             self._progress[child.rid] = _Progress()
             self._starts.append(
                 to_detok.DecodeStart(
-                    child.rid, r.params.skip_special_tokens,
-                    r.params.spaces_between_special_tokens, hold,
+                    child.rid,
+                    r.params.skip_special_tokens,
+                    r.params.spaces_between_special_tokens,
+                    hold,
                 )
             )
 
+    def _reject(self, r: from_tm.GenerateRequest, hold: int, message: str) -> None:
+        reason = {"type": "abort", "message": message}
+        for i in range(r.params.n):
+            rid = f"{r.rid}-{i}" if r.params.n > 1 else r.rid
+            self._starts.append(to_detok.DecodeStart(rid, True, True, hold))
+            finish = to_detok.Finish(reason, decode_last=True, text_len=-1)
+            self._rejected.append(to_detok.TokenUpdate(rid, r.rid, i, [], 0, finish))
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._rejected)
+
     def step(self) -> to_detok.Step:
-        updates = [self._token_update(u) for u in self.scheduler.step()]
+        updates, self._rejected = self._rejected, []
+        if self.scheduler.has_work:
+            updates += [self._token_update(u) for u in self.scheduler.step()]
         starts, self._starts = self._starts, []
         return to_detok.Step(starts, updates)
 
@@ -220,7 +248,7 @@ def run_scheduler_process(
         outbox.send(to_detok.encoder.encode(Ready(service.model_info())))
         logger.info("scheduler ready in %.1f s", time.perf_counter() - started)
         service.serve(inbox, outbox, ParentWatch(parent_pid))
-    except Exception as exc:  # noqa: BLE001 - reported to the server, then the process exits
+    except Exception as exc:  # reported to the server, then the process exits
         logger.exception("scheduler failed")
         outbox.send(to_detok.encoder.encode(Fatal("scheduler", f"{type(exc).__name__}: {exc}")))
         outbox.close(linger=1000)  # let the message leave before the process ends

@@ -21,9 +21,7 @@ DEFAULT_PORT = 30000
 @dataclass(frozen=True)
 class ServerConfig(EngineConfig):
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
-    port: int = field(
-        default=DEFAULT_PORT, metadata=_help("port to listen on (0 = any free port)")
-    )
+    port: int = field(default=DEFAULT_PORT, metadata=_help("port to listen on (0 = any free port)"))
     api_key: str | None = field(
         default=None, metadata=_help("require 'Authorization: Bearer KEY' on every API route")
     )
@@ -37,8 +35,9 @@ class ServerConfig(EngineConfig):
     enable_metrics: bool = field(default=False, metadata=_help("serve Prometheus /metrics"))
     grammar_backend: str = field(
         default="xgrammar",
-        metadata=_help("grammar backend (grammars are not implemented yet)",
-                       choices=GRAMMAR_BACKENDS),
+        metadata=_help(
+            "grammar backend (grammars are not implemented yet)", choices=GRAMMAR_BACKENDS
+        ),
     )
 
     def __post_init__(self) -> None:

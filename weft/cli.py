@@ -1,4 +1,4 @@
-"""The `weft` command: `weft generate ...` (and more subcommands as the runtime grows)."""
+"""The `weft` command: `weft generate ...` (in-process) and `weft serve ...` (the HTTP server)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from weft.runtime.cli_args import add_config_flags, config_from_args
 from weft.runtime.config import EngineConfig
+from weft.runtime.server_config import ServerConfig
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -53,10 +54,25 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve the model over HTTP (SGLang-style native API and OpenAI API)"
+    )
+    add_config_flags(p, ServerConfig)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from weft.runtime.server.launch import launch_server
+
+    return launch_server(config_from_args(ServerConfig, args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -41,7 +41,8 @@ class ChatRenderer:
         if not self.available or self.tokenizer is None:
             raise bad_request(
                 "this model has no chat template: start the server with --chat-template, or use "
-                "/v1/completions", "messages",
+                "/v1/completions",
+                "messages",
             )
         if not messages:
             raise bad_request("messages must not be empty", "messages")
@@ -51,8 +52,9 @@ class ChatRenderer:
                 plain, tokenize=False, add_generation_prompt=True, chat_template=self.template
             )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
-            raise ApiError(f"the chat template failed on these messages: {exc}", 400,
-                           param="messages") from None
+            raise ApiError(
+                f"the chat template failed on these messages: {exc}", 400, param="messages"
+            ) from None
         assert isinstance(text, str)
         return text
 
@@ -69,8 +71,9 @@ def _plain(message: ChatMessage, i: int) -> dict[str, Any]:
         texts = []
         for j, part in enumerate(content):
             if part.type != "text" or part.text is None:
-                raise not_supported(f"{where}.content[{j}] of type {part.type!r}",
-                                    f"{where}.content")
+                raise not_supported(
+                    f"{where}.content[{j}] of type {part.type!r}", f"{where}.content"
+                )
             texts.append(part.text)
         content = "".join(texts)
     if content is None:

@@ -39,8 +39,14 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         yield
         await tm.stop()
 
-    app = FastAPI(title="weft", version=VERSION, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="weft",
+        version=VERSION,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
@@ -83,16 +89,18 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     @app.get("/server_info")
     async def get_server_info() -> Response:
         scheduler = await tm.query(to_sched.GetServerInfo)
-        return json_response({
-            **config.to_dict(redact=True),
-            "version": VERSION,
-            "model_info": _model_info(tm),
-            "context_length": tm.info.context_length,
-            "served_model_name": tm.served_model_name,
-            "healthy": tm.healthy,
-            **tm.stats(),
-            **scheduler,
-        })
+        return json_response(
+            {
+                **config.to_dict(redact=True),
+                "version": VERSION,
+                "model_info": _model_info(tm),
+                "context_length": tm.info.context_length,
+                "served_model_name": tm.served_model_name,
+                "healthy": tm.healthy,
+                **tm.stats(),
+                **scheduler,
+            }
+        )
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -124,6 +132,9 @@ def _model_info(tm: TokenizerManager) -> dict[str, Any]:
         "architecture": tm.info.architecture,
         "context_length": tm.info.context_length,
         "vocab_size": tm.info.vocab_size,
+        "dtype": tm.info.dtype,
+        "device": tm.info.device,
+        "kv_pool_size": tm.info.kv_pool_size,
         "preferred_sampling_params": None,
     }
 

@@ -12,7 +12,20 @@ from prometheus_client import (
 )
 
 _LATENCY_BUCKETS = (
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -23,23 +36,27 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "weft:num_requests", "finished requests by finish reason", ["finish_reason"],
+            "weft:num_requests",
+            "finished requests by finish reason",
+            ["finish_reason"],
             registry=r,
         )
         self.prompt_tokens = Counter("weft:prompt_tokens", "prompt tokens", registry=r)
-        self.generation_tokens = Counter(
-            "weft:generation_tokens", "generated tokens", registry=r
-        )
+        self.generation_tokens = Counter("weft:generation_tokens", "generated tokens", registry=r)
         self.cached_tokens = Counter(
             "weft:cached_tokens", "prompt tokens served from the prefix cache", registry=r
         )
         self.running = Gauge("weft:num_running_reqs", "requests in flight", registry=r)
         self.ttft = Histogram(
-            "weft:time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS,
+            "weft:time_to_first_token_seconds",
+            "time to first token",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
-            "weft:e2e_request_latency_seconds", "request latency", buckets=_LATENCY_BUCKETS,
+            "weft:e2e_request_latency_seconds",
+            "request latency",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
 

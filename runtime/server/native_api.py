@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -50,8 +51,15 @@ class GenerateReqInput(msgspec.Struct):
 
 
 _UNSUPPORTED = (
-    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "session_params",
-    "custom_logit_processor", "token_ids_logprob", "return_hidden_states",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "input_embeds",
+    "lora_path",
+    "session_params",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "return_hidden_states",
 )
 
 
@@ -81,7 +89,11 @@ def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
     tops = _per_prompt(obj.top_logprobs_num, count, single, "top_logprobs_num", list_of=int)
     reqs = []
     for i, ids in enumerate(ids_list):
-        where = "sampling_params" if not isinstance(obj.sampling_params, list) else f"sampling_params[{i}]"
+        where = (
+            "sampling_params"
+            if not isinstance(obj.sampling_params, list)
+            else f"sampling_params[{i}]"
+        )
         sp, explicit = parse_sampling_params(params[i], tm.info.vocab_size, where)
         if want[i] not in (None, True, False):
             raise bad_request("return_logprob must be a bool", "return_logprob")
@@ -90,7 +102,12 @@ def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
             start = -1 if starts[i] is None else starts[i]
         reqs.append(
             tm.build_request(
-                ids, sp, explicit, start, 0 if tops[i] is None else tops[i], rids[i],
+                ids,
+                sp,
+                explicit,
+                start,
+                0 if tops[i] is None else tops[i],
+                rids[i],
                 param="input_ids" if obj.text is None else "text",
             )
         )
@@ -170,6 +187,12 @@ class _LogprobFormat:
         return [(lp, tid, self._text(tid)) for lp, tid in e[2]]
 
 
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is read already: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def json_response(content: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(content), status, media_type="application/json")
 
@@ -210,12 +233,12 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         parsed = parse_generate(await request.body(), tm)
-        states = tm.submit(parsed.reqs)
+        states = tm.submit(parsed.reqs, stream=parsed.stream)
         if parsed.stream:
             return StreamingResponse(
                 _stream(tm, states, parsed.text_in_logprobs), media_type="text/event-stream"
             )
-        await tm.wait(states, request.is_disconnected)
+        await tm.wait(states, partial(client_gone, request))
         outs = [
             sample_output(tm, state, i, parsed.text_in_logprobs)
             for state in states

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -22,7 +23,7 @@ from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
-from weft.runtime.server.native_api import SSE_DONE, json_response, sse
+from weft.runtime.server.native_api import SSE_DONE, client_gone, json_response, sse
 from weft.runtime.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -66,12 +67,17 @@ def _check_model(tm: TokenizerManager, model: str | None) -> str:
         return tm.served_model_name
     raise ApiError(
         f"The model `{model}` does not exist; this server serves `{tm.served_model_name}`",
-        404, param="model", code="model_not_found",
+        404,
+        param="model",
+        code="model_not_found",
     )
 
 
 def _sampling(
-    req: _SamplingFields, tm: TokenizerManager, prompt_len: int, max_tokens: int | None,
+    req: _SamplingFields,
+    tm: TokenizerManager,
+    prompt_len: int,
+    max_tokens: int | None,
     default_max: int | None,
 ) -> tuple[SamplingParams, bool]:
     """(params, max_tokens given explicitly); errors name the OpenAI field."""
@@ -97,12 +103,13 @@ def _sampling(
         params = SamplingParams(**values)
         params.validate(tm.info.vocab_size)
     except (ValueError, TypeError) as exc:
-        message = str(exc).replace("max_new_tokens", "max_tokens").replace(
-            "min_new_tokens", "min_tokens"
+        message = (
+            str(exc).replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
         )
         param = message.split(" ", 1)[0]
-        raise ApiError(message, 400, param=param if param in values or param == "max_tokens"
-                       else None) from None
+        raise ApiError(
+            message, 400, param=param if param in values or param == "max_tokens" else None
+        ) from None
     return params, explicit
 
 
@@ -175,7 +182,9 @@ class _Job:
             offsets.append(offset)
             offset += len(text)
         return {
-            "tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
@@ -201,7 +210,11 @@ class _Job:
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": s.text}
             else:
-                prompt = self.echo_prompts[index // len(self.states[0].samples)] if self.echo_prompts else ""
+                prompt = (
+                    self.echo_prompts[index // len(self.states[0].samples)]
+                    if self.echo_prompts
+                    else ""
+                )
                 choice["text"] = prompt + s.text
             choice["logprobs"] = self.logprobs(s.output_logprobs)
             choice["finish_reason"] = _finish_reason(s)
@@ -218,8 +231,9 @@ class _Job:
 
     # ---- streams --------------------------------------------------------------------------
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False
-               ) -> bytes:
+    def _chunk(
+        self, choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False
+    ) -> bytes:
         body: dict[str, Any] = {
             "id": ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id,
             "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
@@ -305,17 +319,28 @@ def _chat_job(req: ChatCompletionRequest, tm: TokenizerManager, chat: ChatRender
         raise not_supported("tools", "tools")
     fmt = req.response_format
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise not_supported("response_format other than text (constrained decoding)",
-                            "response_format")
+        raise not_supported(
+            "response_format other than text (constrained decoding)", "response_format"
+        )
     top = _logprob_settings(req)
     prompt = chat.render(req.messages)
     # NOTE: the rendered template carries its own BOS (if any): add no special tokens.
     ids = tm.tokenize(prompt, "messages", add_special_tokens=False)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
     params, explicit = _sampling(req, tm, len(ids), max_tokens, None)
-    gen = tm.build_request(ids, params, explicit, -1 if top is not None else None, top or 0,
-                           req.rid, param="messages", max_tokens_param="max_tokens")
-    return _Job(tm, model, "chat", tm.submit([gen]), top)
+    gen = tm.build_request(
+        ids,
+        params,
+        explicit,
+        -1 if top is not None else None,
+        top or 0,
+        req.rid,
+        param="messages",
+        max_tokens_param="max_tokens",
+    )
+    return _Job(tm, model, "chat", tm.submit([gen], stream=bool(req.stream)), top)
 
 
 def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[int]], list[str]]:
@@ -333,7 +358,8 @@ def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[in
             return [ids], [tm.tokenizer.decode(ids) if tm.tokenizer else ""]
     raise bad_request(
         "prompt must be a non-empty string, list of strings, list of token ids, or list of "
-        "token-id lists", "prompt",
+        "token-id lists",
+        "prompt",
     )
 
 
@@ -351,13 +377,31 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager) -> _Job:
     top = req.logprobs
     gens: list[GenerateRequest] = []
     for ids in ids_list:
-        params, explicit = _sampling(req, tm, len(ids), req.max_tokens,
-                                     COMPLETIONS_DEFAULT_MAX_TOKENS)
-        gens.append(tm.build_request(ids, params, explicit, -1 if top is not None else None,
-                                     top or 0, None, param="prompt", max_tokens_param="max_tokens"))
+        params, explicit = _sampling(
+            req, tm, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
+        )
+        gens.append(
+            tm.build_request(
+                ids,
+                params,
+                explicit,
+                -1 if top is not None else None,
+                top or 0,
+                None,
+                param="prompt",
+                max_tokens_param="max_tokens",
+            )
+        )
     if req.rid is not None and len(gens) == 1:
         gens[0].rid = req.rid
-    return _Job(tm, model, "text", tm.submit(gens), top, echo_prompts=texts if req.echo else [])
+    return _Job(
+        tm,
+        model,
+        "text",
+        tm.submit(gens, stream=bool(req.stream)),
+        top,
+        echo_prompts=texts if req.echo else [],
+    )
 
 
 def register(app: FastAPI, tm: TokenizerManager, chat: ChatRenderer) -> None:
@@ -386,7 +430,7 @@ def register(app: FastAPI, tm: TokenizerManager, chat: ChatRenderer) -> None:
         if stream:
             include_usage = bool(options is not None and options.include_usage)
             return StreamingResponse(job.stream(include_usage), media_type="text/event-stream")
-        await tm.wait(job.states, request.is_disconnected)
+        await tm.wait(job.states, partial(client_gone, request))
         return json_response(job.response())
 
 

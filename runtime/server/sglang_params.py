@@ -75,7 +75,9 @@ def _check_lists(kwargs: dict[str, Any], where: str) -> None:
         kwargs["stop"] = check_stop(stop, f"{where}.stop")
     ids = kwargs.get("stop_token_ids")
     if ids is not None and not isinstance(ids, list):
-        raise bad_request(f"{where}.stop_token_ids must be a list of token ids", f"{where}.stop_token_ids")
+        raise bad_request(
+            f"{where}.stop_token_ids must be a list of token ids", f"{where}.stop_token_ids"
+        )
 
 
 def check_stop(stop: Any, param: str) -> list[str]:

@@ -66,6 +66,7 @@ class ReqState:
     created: float = field(default_factory=time.perf_counter)
     error: ApiError | None = None
     want_logprobs: bool = False
+    stream: bool = False  # wake the listener on every update (else on finish only)
 
     @property
     def finished(self) -> bool:
@@ -155,7 +156,9 @@ class TokenizerManager:
 
     # ---- tokens -----------------------------------------------------------------------------
 
-    def tokenize(self, text: str, param: str = "text", add_special_tokens: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, param: str = "text", add_special_tokens: bool = True
+    ) -> list[int]:
         """Special-token strings in the text (a rendered chat template) become special tokens."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send input_ids instead of text", param)
@@ -175,12 +178,12 @@ class TokenizerManager:
             if self.tokenizer is not None:
                 if self._anchor is None:
                     self._anchor = _anchor_token(self.tokenizer)
-                anchor_text = self.tokenizer.decode([self._anchor])
-                both = self.tokenizer.decode([self._anchor, tid])
+                anchor_text = str(self.tokenizer.decode([self._anchor]))
+                both = str(self.tokenizer.decode([self._anchor, tid]))
                 if both.startswith(anchor_text):
                     text = both[len(anchor_text) :]
                 else:
-                    text = self.tokenizer.decode([tid])
+                    text = str(self.tokenizer.decode([tid]))
             self._token_texts[tid] = text
         return text
 
@@ -210,14 +213,18 @@ class TokenizerManager:
             raise ApiError(
                 f"the prompt is too long: {len(ids)} tokens, the context length is {context} "
                 "(the prompt and at least one new token must fit)",
-                400, param=param, code="context_length_exceeded",
+                400,
+                param=param,
+                code="context_length_exceeded",
             )
         if max_tokens_explicit and len(ids) + params.max_new_tokens > context:
             raise ApiError(
                 f"{max_tokens_param} is too large: the prompt has {len(ids)} tokens and "
                 f"{max_tokens_param} is {params.max_new_tokens}, but the context length is "
                 f"{context}",
-                400, param=max_tokens_param, code="context_length_exceeded",
+                400,
+                param=max_tokens_param,
+                code="context_length_exceeded",
             )
         if logprob_start_len is not None:
             if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
@@ -225,10 +232,13 @@ class TokenizerManager:
             if not -1 <= logprob_start_len < len(ids):
                 raise bad_request(
                     f"logprob_start_len ({logprob_start_len}) must be -1 or below the prompt "
-                    f"length ({len(ids)})", "logprob_start_len",
+                    f"length ({len(ids)})",
+                    "logprob_start_len",
                 )
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 1024:
-            raise bad_request("top_logprobs_num must be an integer in [0, 1024]", "top_logprobs_num")
+            raise bad_request(
+                "top_logprobs_num must be an integer in [0, 1024]", "top_logprobs_num"
+            )
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise bad_request("rid must be a non-empty string", "rid")
         return to_sched.GenerateRequest(
@@ -241,15 +251,14 @@ class TokenizerManager:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def submit(
-        self, reqs: list[to_sched.GenerateRequest], listener: asyncio.Event | None = None
-    ) -> list[ReqState]:
-        """Send a batch in one message; one state per prompt (n samples each)."""
+    def submit(self, reqs: list[to_sched.GenerateRequest], stream: bool = False) -> list[ReqState]:
+        """Send a batch in one message; one state per prompt (n samples each), sharing one
+        listener. A stream's listener wakes on every update, otherwise on finish only."""
         self.check_alive()
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids) or any(rid in self.states for rid in rids):
             raise bad_request("rid is already in use by a running request", "rid")
-        listener = listener or asyncio.Event()
+        listener = asyncio.Event()
         states = []
         for r in reqs:
             state = ReqState(
@@ -258,6 +267,7 @@ class TokenizerManager:
                 samples=[Sample() for _ in range(r.params.n)],
                 listener=listener,
                 want_logprobs=r.logprob_start_len is not None,
+                stream=stream,
             )
             self.states[r.rid] = state
             states.append(state)
@@ -279,24 +289,35 @@ class TokenizerManager:
             self._send(to_sched.Abort(rids))
 
     async def wait(
-        self, states: list[ReqState], disconnected: Callable[[], Awaitable[bool]] | None = None
+        self, states: list[ReqState], client_gone: Callable[[], Awaitable[None]] | None = None
     ) -> None:
-        """Until every state finished. `disconnected` is polled every second: a client that went
-        away aborts its requests (and gets a 499 it will never read)."""
+        """Until every state finished (the states must not stream: they wake on finish only).
+        `client_gone` returns when the client disconnects: its requests are aborted then (and
+        it gets a 499 it will never read)."""
         listener = states[0].listener
-        while not all(s.finished for s in states):
-            try:
-                await asyncio.wait_for(listener.wait(), timeout=1.0)
-            except TimeoutError:
-                if disconnected is not None and await disconnected():
-                    self.abort_unfinished(states)
-                    raise ApiError("the client disconnected", 499) from None
-            listener.clear()
+        gone = asyncio.ensure_future(client_gone()) if client_gone is not None else None
+        try:
+            while not all(s.finished for s in states):
+                if gone is None:
+                    await listener.wait()
+                else:
+                    waiter = asyncio.ensure_future(listener.wait())
+                    await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if gone.done():
+                        waiter.cancel()
+                        self.abort_unfinished(states)
+                        raise ApiError("the client disconnected", 499)
+                listener.clear()
+        finally:
+            if gone is not None:
+                gone.cancel()
         for state in states:
             if state.error is not None:
                 raise state.error
 
-    async def query(self, msg_type: type[to_sched.GetServerInfo] | type[to_sched.FlushCache]) -> dict[str, Any]:
+    async def query(
+        self, msg_type: type[to_sched.GetServerInfo] | type[to_sched.FlushCache]
+    ) -> dict[str, Any]:
         self.check_alive()
         qid = next(self._query_ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -341,7 +362,7 @@ class TokenizerManager:
                     self._mark_dead(f"the {msg.process} process failed: {msg.message}")
                 elif isinstance(msg, Ready):
                     pass  # handled by the launcher before serving
-            except Exception:  # noqa: BLE001 - one bad message must not stop the server
+            except Exception:  # one bad message must not stop the server
                 logger.exception("tokenizer manager: cannot handle a message")
 
     def _on_text(self, updates: list[from_detok.TextUpdate]) -> None:
@@ -368,7 +389,9 @@ class TokenizerManager:
                 sample.finished_at = now
                 if state.finished:
                     self._finished(state)
-            state.listener.set()
+                state.listener.set()
+            elif state.stream:
+                state.listener.set()
 
     def _finished(self, state: ReqState) -> None:
         del self.states[state.rid]

@@ -1,0 +1,324 @@
+"""The native API of the real server (stories260K): /generate single and batch, streams, prompt
+scoring, aborts, concurrency, and the info / health routes."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from conftest import make_engine
+from server_utils import ServerProcess
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They"]
+GREEDY = {"temperature": 0, "max_new_tokens": 48}
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir):
+    srv = ServerProcess(
+        "--model-path", str(stories_dir), "--max-total-tokens", "4096", "--enable-metrics"
+    )
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def engine(stories_dir):
+    eng = make_engine(stories_dir, max_total_tokens=4096)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        GREEDY,
+        {**GREEDY, "stop": [" park", "girl"]},
+        {**GREEDY, "stop": "girl", "no_stop_trim": True},
+        {**GREEDY, "stop_token_ids": [13]},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 7, "max_new_tokens": 40},
+    ],
+)
+def test_text_equals_the_in_process_engine(server, engine, params):
+    for prompt in PROMPTS:
+        expected = engine.generate(prompt, params)
+        out = server.generate({"text": prompt, "sampling_params": params})
+        assert out["text"] == expected["text"]
+        assert out["output_ids"] == expected["output_ids"]
+        assert out["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
+        assert out["meta_info"]["prompt_tokens"] == expected["meta_info"]["prompt_tokens"]
+        assert out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+
+
+@pytest.mark.parametrize("params", [GREEDY, {**GREEDY, "stop": ["park", "Lily"]}])
+def test_stream_ends_with_the_non_stream_text(server, params):
+    for prompt in PROMPTS:
+        full = server.generate({"text": prompt, "sampling_params": params})
+        events = list(
+            server.stream("/generate", {"text": prompt, "sampling_params": params, "stream": True})
+        )
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert chunks, "no chunk before [DONE]"
+        for before, after in itertools.pairwise(chunks):
+            assert after["text"].startswith(before["text"])  # cumulative text
+        assert chunks[-1]["text"] == full["text"]
+        assert chunks[-1]["output_ids"] == full["output_ids"]
+        assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+        assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_batch_of_texts_keeps_order_and_per_prompt_params(server):
+    params = [{**GREEDY, "max_new_tokens": n} for n in (5, 9, 13)]
+    outs = server.generate({"text": PROMPTS, "sampling_params": params})
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [5, 9, 13]
+    for prompt, p, out in zip(PROMPTS, params, outs, strict=True):
+        assert out["text"] == server.generate({"text": prompt, "sampling_params": p})["text"]
+
+
+def test_batch_of_input_ids_with_n_samples(server):
+    ids = [[1, 403, 407, 261], [1, 500, 266]]
+    params = {"temperature": 1.0, "max_new_tokens": 6, "n": 2, "seed": 3}
+    outs = server.generate({"input_ids": ids, "sampling_params": params, "rid": ["a1", "b1"]})
+    assert len(outs) == 4  # flat: n entries per prompt, in order
+    assert [o["meta_info"]["id"] for o in outs] == ["a1", "a1", "b1", "b1"]
+    assert [o["meta_info"]["index"] for o in outs] == [0, 1, 0, 1]
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [4, 4, 3, 3]
+    single = server.generate({"input_ids": ids[0], "sampling_params": params})
+    assert isinstance(single, list) and len(single) == 2
+
+
+def test_batch_stream_has_an_index_per_sample(server):
+    events = list(
+        server.stream("/generate", {"text": PROMPTS[:2], "sampling_params": GREEDY, "stream": True})
+    )
+    assert events[-1] == "[DONE]"
+    last = {}
+    for e in events[:-1]:
+        last[e["index"]] = e
+    assert sorted(last) == [0, 1]
+    for i in (0, 1):
+        assert (
+            last[i]["text"]
+            == server.generate({"text": PROMPTS[i], "sampling_params": GREEDY})["text"]
+        )
+
+
+def test_prompt_scoring_with_max_new_tokens_zero(server, engine):
+    prompt = "Once upon a time there was a cat"
+    out = server.generate(
+        {
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+        }
+    )
+    meta = out["meta_info"]
+    assert out["text"] == "" and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length"}
+    entries = meta["input_token_logprobs"]
+    assert len(entries) == meta["prompt_tokens"]
+    assert entries[0][0] is None  # nothing predicts the first token
+    assert all(isinstance(e[0], float) and e[0] <= 0 for e in entries[1:])
+    assert "".join(e[2] for e in entries[1:]).strip() == prompt
+    assert all(len(top) == 2 for top in meta["input_top_logprobs"][1:])
+    expected = engine.generate(
+        prompt, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == [e[1] for e in expected]
+    for got, want in zip(entries[1:], expected[1:], strict=True):
+        assert got[0] == pytest.approx(want[0], abs=1e-4)
+    # a later start scores fewer positions; output logprobs come with generated tokens
+    out = server.generate(
+        {
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 4,
+        }
+    )
+    meta = out["meta_info"]
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] - 4
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(e[2] is None for e in meta["output_token_logprobs"])
+
+
+def test_sglang_clients_explicit_nulls_are_defaults(server):
+    # what sglang's RuntimeEndpoint sends for a plain gen() call
+    params = {
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "max_new_tokens": 8,
+        "min_new_tokens": 0,
+        "n": 1,
+        "stop": [],
+        "stop_token_ids": [],
+        "stop_regex": None,
+        "temperature": 0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "ignore_eos": False,
+        "regex": None,
+        "json_schema": None,
+        "ebnf": None,
+        "sampling_seed": None,
+        "custom_params": None,
+        "logit_bias": None,
+        "stream_interval": None,
+    }
+    out = server.generate(
+        {
+            "text": "Once upon a time",
+            "sampling_params": params,
+            "return_logprob": None,
+            "logprob_start_len": None,
+            "top_logprobs_num": None,
+            "lora_path": None,
+            "image_data": None,
+        }
+    )
+    assert out["meta_info"]["completion_tokens"] == 8
+    big_k = server.generate(
+        {"text": "Once upon a time", "sampling_params": {**params, "top_k": 1 << 30}}
+    )
+    assert big_k["text"] == out["text"]
+
+
+@pytest.mark.parametrize("field", ["regex", "json_schema", "ebnf"])
+def test_grammars_are_refused_not_ignored(server, field):
+    r = server.post("/generate", {"text": "Hi", "sampling_params": {field: "a+"}})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "not supported yet" in error["message"] and field in error["message"]
+
+
+def test_32_concurrent_streams_all_complete(server):
+    params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+    expected = server.generate({"text": PROMPTS[0], "sampling_params": params})["text"]
+
+    def one(_: int) -> tuple[str, bool]:
+        events = list(
+            server.stream(
+                "/generate", {"text": PROMPTS[0], "sampling_params": params, "stream": True}
+            )
+        )
+        return events[-2]["text"], events[-1] == "[DONE]"
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert all(done for _, done in results)
+    assert all(text == expected for text, _ in results)
+    server.assert_kv_intact()
+
+
+def test_client_disconnect_mid_stream_frees_the_kv(server):
+    before = server.wait_idle()["num_aborted"]
+    body = {
+        "input_ids": [1, 403, 407],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+    }
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            if line.startswith(b"data: "):
+                seen += 1
+                if seen == 2:
+                    break
+    # the connection is closed here, long before 500 tokens
+    info = server.assert_kv_intact()
+    assert info["num_aborted"] == before + 1
+
+
+def test_client_gone_before_a_non_stream_answer_aborts_it(server):
+    before = server.wait_idle()["num_aborted"]
+    body = {
+        "input_ids": [[1, 403, 407, k] for k in range(8)],
+        "sampling_params": {"max_new_tokens": 480, "ignore_eos": True},
+    }
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(server.url + "/generate", json=body, timeout=0.5)
+    # the server notices within a second and aborts all 8
+    info = server.assert_kv_intact()
+    assert info["num_aborted"] >= before + 1
+
+
+def test_abort_request_ends_a_running_request(server):
+    body = {
+        "input_ids": [1, 403, 407],
+        "rid": "to-abort",
+        "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+    }
+    result = {}
+
+    def run() -> None:
+        result["out"] = server.generate(body)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while server.wait_idle(0)["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = server.post("/abort_request", {"rid": "to-abort"})
+    assert r.status_code == 200, r.text
+    thread.join(30)
+    meta = result["out"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert meta["completion_tokens"] < 500
+    server.assert_kv_intact()
+
+
+def test_info_routes(server, stories_dir):
+    info = server.get("/get_model_info").json()
+    assert info["model_path"] == str(stories_dir)
+    assert info["tokenizer_path"] == str(stories_dir)
+    assert info["is_generation"] is True
+    assert server.get("/health").status_code == 200
+    assert server.get("/health_generate").status_code == 200
+    server_info = server.server_info()
+    assert server_info["context_length"] == 512
+    assert server_info["kv_pool"]["total"] == 4096
+    assert server.get("/server_info").status_code == 200
+    r = server.post("/flush_cache")
+    assert r.status_code == 200, r.text
+    assert server.server_info()["kv_pool"]["cached"] == 0
+    metrics = server.get("/metrics")
+    assert metrics.status_code == 200
+    assert "weft:prompt_tokens_total" in metrics.text
+    assert "weft:time_to_first_token_seconds_bucket" in metrics.text
+
+
+def test_cache_hits_are_reported(server):
+    prompt = "Once upon a time, in a small house, there lived a girl who liked cats."
+    server.generate({"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+    out = server.generate({"text": prompt, "sampling_params": {"max_new_tokens": 2}})
+    assert out["meta_info"]["cached_tokens"] == out["meta_info"]["prompt_tokens"] - 1
+    assert server.server_info()["cache_hit_rate"] > 0
+
+
+def test_sse_framing(server):
+    """The raw bytes of a stream: `data: {...}` events separated by blank lines."""
+    with requests.post(
+        server.url + "/generate",
+        stream=True,
+        timeout=30,
+        json={"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 3}},
+    ) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_content(None))
+    blocks = [b for b in raw.split(b"\n\n") if b]
+    assert all(b.startswith(b"data: ") for b in blocks)
+    assert blocks[-1] == b"data: [DONE]"

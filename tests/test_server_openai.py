@@ -1,0 +1,300 @@
+"""The official `openai` client against the real server: completions on stories260K, chat on the
+embedded Qwen model (it has a chat template)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from server_utils import ServerProcess
+
+PROMPT = "Once upon a time"
+# stories260K has no chat template of its own: --chat-template gives it one
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir):
+    srv = ServerProcess(
+        "--model-path",
+        str(stories_dir),
+        "--max-total-tokens",
+        "4096",
+        "--served-model-name",
+        "stories",
+        "--chat-template",
+        TEMPLATE,
+    )
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(stories):
+    return openai.OpenAI(base_url=stories.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["stories"]
+    assert client.models.retrieve("stories").id == "stories"
+
+
+def test_completion_matches_native_greedy(client, stories):
+    native = stories.generate(
+        {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 20}}
+    )
+    out = client.completions.create(model="stories", prompt=PROMPT, max_tokens=20, temperature=0)
+    assert out.object == "text_completion"
+    assert out.choices[0].text == native["text"]
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == native["meta_info"]["prompt_tokens"]
+    assert out.usage.completion_tokens == 20
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 20
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completion_stream_with_usage(client):
+    full = client.completions.create(model="stories", prompt=PROMPT, max_tokens=24, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="stories",
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_stop(client):
+    full = (
+        client.completions.create(model="stories", prompt=PROMPT, max_tokens=40, temperature=0)
+        .choices[0]
+        .text
+    )
+    word = "girl"
+    assert word in full
+    out = client.completions.create(
+        model="stories", prompt=PROMPT, max_tokens=40, temperature=0, stop=[word, "zzz"]
+    )
+    assert out.choices[0].text == full[: full.index(word)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_completion_n2_and_seed(client):
+    kwargs = {
+        "model": "stories",
+        "prompt": PROMPT,
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "n": 2,
+        "seed": 11,
+    }
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded
+    assert a.choices[0].text != a.choices[1].text  # different samples
+    assert a.usage.completion_tokens == 32
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens  # the prompt counts once
+
+
+def test_completion_batch_of_prompts_and_token_ids(client, stories):
+    out = client.completions.create(
+        model="stories", prompt=[PROMPT, "The dog"], max_tokens=5, temperature=0
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    ids = stories.generate(
+        {
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+    )
+    prompt_ids = [e[1] for e in ids["meta_info"]["input_token_logprobs"]]
+    by_ids = client.completions.create(
+        model="stories", prompt=prompt_ids, max_tokens=5, temperature=0
+    )
+    assert by_ids.choices[0].text == out.choices[0].text
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(
+        model="stories", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens).strip() == out.choices[0].text.strip()
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3
+        assert value == pytest.approx(max(top.values()))  # greedy picks the most likely
+        assert top[token] == pytest.approx(value)
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_completion_echo(client):
+    out = client.completions.create(
+        model="stories", prompt=PROMPT, max_tokens=3, temperature=0, echo=True
+    )
+    assert out.choices[0].text.startswith(PROMPT)
+
+
+def test_openai_errors_raise_the_right_exceptions(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="stories", prompt=PROMPT, max_tokens=-3)
+    assert client.completions.create(model="stories", prompt=PROMPT, max_tokens=2).choices
+
+
+def test_chat_with_a_template_given_on_the_command_line(client):
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    out = client.chat.completions.create(
+        model="stories", messages=messages, max_tokens=16, temperature=0
+    )
+    text = out.choices[0].message.content
+    assert text and out.usage.completion_tokens <= 16
+    chunks = list(
+        client.chat.completions.create(
+            model="stories", messages=messages, max_tokens=16, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    # the rendered prompt: BOS + "user: Once upon a time\n"
+    plain = client.completions.create(
+        model="stories", prompt="user: Once upon a time\n", max_tokens=1
+    )
+    assert abs(out.usage.prompt_tokens - plain.usage.prompt_tokens) <= 1
+
+
+def test_chat_template_from_a_file_or_a_string(tmp_path):
+    from weft.runtime.server.chat import load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert load_chat_template(str(path)) == TEMPLATE
+    assert load_chat_template(TEMPLATE) == TEMPLATE
+    with pytest.raises(ValueError):
+        load_chat_template("no-such-file.jinja")
+
+
+# ---- chat: the Qwen model --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from weft.runtime.loaders.default_model import default_model_parts
+
+    try:
+        default_model_parts()
+    except RuntimeError as exc:
+        pytest.skip(f"the embedded default model is not installed: {exc}")
+    srv = ServerProcess("--max-total-tokens", "4096", "--enable-metrics")
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def qclient(qwen):
+    return openai.OpenAI(base_url=qwen.url + "/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.mark.slow
+def test_chat_stream_and_not(qclient):
+    model = qclient.models.list().data[0].id
+    out = qclient.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    assert out.object == "chat.completion"
+    message = out.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert out.usage.completion_tokens <= 12 and out.usage.prompt_tokens > 10
+    chunks = list(
+        qclient.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == message.content
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+
+@pytest.mark.slow
+def test_chat_n2_logprobs_stop_and_cached_usage(qclient, qwen):
+    model = qclient.models.list().data[0].id
+    out = qclient.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_completion_tokens=6,
+        temperature=0.7,
+        n=2,
+        seed=5,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice in out.choices:
+        content = choice.logprobs.content
+        assert len(content) >= 1 and all(len(t.top_logprobs) == 2 for t in content)
+    assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
+    # the same conversation again: its prompt comes from the prefix cache
+    again = qclient.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=4, temperature=0, stop=["\n"]
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert "\n" not in again.choices[0].message.content
+    assert "weft:generation_tokens_total" in qwen.get("/metrics").text
+
+
+@pytest.mark.slow
+def test_special_tokens_in_text_are_special(qwen):
+    """A chat template rendered by the client: <|im_start|> must be one token, not characters."""
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    out = qwen.generate(
+        {
+            "text": text,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+    )
+    ids = [e[1] for e in out["meta_info"]["input_token_logprobs"]]
+    assert ids[0] == 151644  # <|im_start|>
+    assert ids.count(151644) == 2 and 151645 in ids  # <|im_end|>
+
+
+@pytest.mark.slow
+def test_multibyte_text_streams_whole_characters(qwen):
+    body = {
+        "text": "<|im_start|>user\n用中文写一句关于猫的话，加一个表情符号。<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 24},
+    }
+    full = qwen.generate(body)
+    assert any(ord(ch) > 0x2E80 for ch in full["text"])  # the answer has CJK text
+    events = list(qwen.stream("/generate", {**body, "stream": True}))
+    texts = [e["text"] for e in events[:-1]]
+    assert all("\ufffd" not in t for t in texts)
+    assert texts[-1] == full["text"]
