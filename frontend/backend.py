@@ -1,0 +1,58 @@
+"""The backend base class: what the interpreter needs from a model, whatever serves it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, str]
+ChatRenderer = Callable[[list[Message]], str]
+# (logprob or None for the first token, token id), one entry per prompt position from `start`
+TokenLogprobs = list[tuple[float | None, int]]
+
+
+class BackendError(RuntimeError):
+    """A request the backend refused or failed; the message is the backend's own."""
+
+
+@dataclass
+class GenResult:
+    text: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend:
+    """Contract: `generate` continues a text prompt with SGLang sampling parameters;
+    `generate_stream` yields results with the cumulative text (meta on the last one);
+    `prompt_logprobs(prompt, start)` scores the prompt's own tokens from position `start`
+    (max_new_tokens=0); `chat_renderer` is the model's chat template, or None when the backend
+    cannot render it, in which case role programs go through `chat` (OpenAI messages)."""
+
+    name = "backend"
+
+    async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
+        raise NotImplementedError
+
+    def generate_stream(self, prompt: str, params: dict[str, Any]) -> AsyncIterator[GenResult]:
+        raise NotImplementedError
+
+    async def prompt_logprobs(self, prompt: str, start: int) -> TokenLogprobs:
+        raise BackendError(f"{self.name} cannot score prompts (no prompt logprobs)")
+
+    def chat_renderer(self) -> ChatRenderer | None:
+        return None
+
+    async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
+        raise BackendError(f"{self.name} has no chat endpoint and no chat template")
+
+
+def as_backend(obj: object) -> Backend:
+    """A Backend, or an in-process weft.Engine wrapped as one (duck-typed: no torch import)."""
+    if isinstance(obj, Backend):
+        return obj
+    if hasattr(obj, "async_generate") and hasattr(obj, "generate_stream"):
+        from weft.frontend.engine_backend import EngineBackend
+
+        return EngineBackend(obj)
+    raise TypeError(f"not a weft backend: {type(obj).__name__} (Engine, RuntimeEndpoint, ...)")

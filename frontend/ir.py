@@ -1,0 +1,89 @@
+"""IR of a weft program: the nodes `s += ...` appends to a state, in order.
+
+Each node is small and prints as the DSL call that made it, so a trace reads like the program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+SELECT_METHODS = ("token_length_normalized", "greedy", "unconditional_likelihood_normalized")
+
+
+class Node:
+    """Base class of IR nodes; `+` builds a sequence (`user("a") + gen("x")`)."""
+
+    def __add__(self, other: object) -> Seq:
+        return Seq([*_nodes(self), *_nodes(other)])
+
+    def __radd__(self, other: object) -> Seq:
+        return Seq([*_nodes(other), *_nodes(self)])
+
+
+@dataclass(repr=False)
+class Text(Node):
+    value: str
+
+    def __repr__(self) -> str:
+        return f"Text({self.value!r})"
+
+
+@dataclass(repr=False)
+class Gen(Node):
+    name: str | None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        args = [repr(self.name)] + [f"{k}={v!r}" for k, v in self.params.items()]
+        return f"Gen({', '.join(args)})"
+
+
+@dataclass(repr=False)
+class Select(Node):
+    name: str | None
+    choices: list[str]
+    method: str = "token_length_normalized"
+
+    def __repr__(self) -> str:
+        return f"Select({self.name!r}, {self.choices!r}, method={self.method!r})"
+
+
+@dataclass(repr=False)
+class RoleBegin(Node):
+    role: str
+
+    def __repr__(self) -> str:
+        return f"RoleBegin({self.role!r})"
+
+
+@dataclass(repr=False)
+class RoleEnd(Node):
+    role: str
+
+    def __repr__(self) -> str:
+        return f"RoleEnd({self.role!r})"
+
+
+@dataclass(repr=False)
+class Seq(Node):
+    nodes: list[Node]
+
+    def __repr__(self) -> str:
+        return " + ".join(repr(n) for n in self.nodes) or "Seq([])"
+
+
+def _nodes(value: object) -> list[Node]:
+    if isinstance(value, Seq):
+        return list(value.nodes)
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, str):
+        return [Text(value)] if value else []
+    raise TypeError(f"cannot add {type(value).__name__} to a weft program (str or a weft node)")
+
+
+def flatten(value: object) -> list[Node]:
+    """The flat node list for `s += value`."""
+    return _nodes(value)

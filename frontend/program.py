@@ -1,0 +1,162 @@
+"""`@weft.function`: a program is a Python function of a state; run, run_batch and trace."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from tqdm import tqdm
+
+from weft.frontend.api import SAMPLING_NAMES
+from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, as_backend
+from weft.frontend.state import PlannedRequest, ProgramState, RunContext
+
+
+def _defaults(sampling: dict[str, Any]) -> dict[str, Any]:
+    """Run-wide sampling defaults, by gen()'s names or SGLang's."""
+    out = {}
+    for key, value in sampling.items():
+        name = SAMPLING_NAMES.get(key, key)
+        if name not in SAMPLING_NAMES.values():
+            raise TypeError(f"unknown run() argument {key!r}")
+        if value is not None:
+            out[name] = value
+    return out
+
+
+class Program:
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.func = func
+        params = list(inspect.signature(func).parameters)
+        if not params:
+            raise TypeError(f"@weft.function {func.__name__}: the first argument is the state")
+        self.__name__ = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __repr__(self) -> str:
+        return f"<weft program {self.func.__name__}>"
+
+    def _start(
+        self, ctx: RunContext, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> ProgramState:
+        state = ProgramState(ctx)
+        try:
+            self.func(state, *args, **kwargs)
+        finally:
+            ctx.close()
+        return state
+
+    def run(self, *args: Any, backend: Any, stream: bool = False, **kwargs: Any) -> ProgramState:
+        """Run once. Keyword arguments the function takes go to it; the rest are sampling
+        defaults (max_new_tokens, temperature, ...). With stream=True the state comes back at
+        once: read it with state.text_iter(name)."""
+        fn_kwargs, sampling = self._split(kwargs)
+        ctx = RunContext(as_backend(backend), asyncio.new_event_loop(), _defaults(sampling), stream)
+        state = self._start(ctx, args, fn_kwargs)
+        if not stream:
+            ctx.block(ctx.wait_all())
+        return state
+
+    async def run_async(
+        self, *args: Any, backend: Any, stream: bool = False, **kwargs: Any
+    ) -> ProgramState:
+        """Run on the caller's event loop. The function must not read a variable before the end
+        (nothing can block there); with stream=True use `async for x in state.text_async_iter()`."""
+        fn_kwargs, sampling = self._split(kwargs)
+        loop = asyncio.get_running_loop()
+        ctx = RunContext(as_backend(backend), loop, _defaults(sampling), stream)
+        state = self._start(ctx, args, fn_kwargs)
+        if not stream:
+            await ctx.wait_all()
+        return state
+
+    def run_batch(
+        self,
+        batch_kwargs: list[dict[str, Any]],
+        *,
+        backend: Any,
+        progress_bar: bool = False,
+        max_concurrency: int | None = None,
+        **sampling: Any,
+    ) -> list[ProgramState]:
+        """Run once per kwargs dict, all on one event loop, at most `max_concurrency` requests
+        in flight. A failed program keeps its error: reading its state raises it."""
+        be = as_backend(backend)
+        defaults = _defaults(sampling)
+        loop = asyncio.new_event_loop()
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        contexts = []
+        states = []
+        for kwargs in batch_kwargs:
+            ctx = RunContext(be, loop, defaults, semaphore=sem)
+            contexts.append(ctx)
+            states.append(self._start(ctx, (), kwargs))
+
+        async def finish() -> None:
+            with tqdm(total=len(contexts), disable=not progress_bar, desc=self.__name__) as bar:
+                for done in asyncio.as_completed([_settle(c) for c in contexts]):
+                    await done
+                    bar.update(1)
+
+        loop.run_until_complete(finish())
+        return states
+
+    def trace(self, *args: Any, backend: Any = None, **kwargs: Any) -> Plan:
+        """The requests a run would send, without a model: gens answer with a placeholder,
+        selects pick the first choice. Pass `backend` to render roles with its chat template."""
+        fn_kwargs, sampling = self._split(kwargs)
+        renderer = as_backend(backend).chat_renderer() if backend is not None else None
+        ctx = RunContext(_TraceBackend(renderer), asyncio.new_event_loop(), _defaults(sampling))
+        self._start(ctx, args, fn_kwargs)
+        ctx.block(ctx.wait_all())
+        return Plan(ctx.plan)
+
+    def _split(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        sig = inspect.signature(self.func)
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        fn = {k: v for k, v in kwargs.items() if takes_any or k in sig.parameters}
+        return fn, {k: v for k, v in kwargs.items() if k not in fn}
+
+
+async def _settle(ctx: RunContext) -> None:
+    with contextlib.suppress(Exception):  # kept on the state: reading it raises
+        await ctx.wait_all()
+
+
+def function(func: Callable[..., Any]) -> Program:
+    """Decorator: `@weft.function def prog(s, question): s += ...`."""
+    return Program(func)
+
+
+class Plan(list[PlannedRequest]):
+    """The requests of a traced run, in the order they were issued."""
+
+    def __str__(self) -> str:
+        return "\n".join(f"{i + 1:>3}. {r}" for i, r in enumerate(self))
+
+
+class _TraceBackend(Backend):
+    name = "trace"
+
+    def __init__(self, renderer: ChatRenderer | None) -> None:
+        self._renderer = renderer
+
+    async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
+        return GenResult("" if params.get("max_new_tokens") == 0 else "<gen>")
+
+    async def generate_stream(
+        self, prompt: str, params: dict[str, Any]
+    ) -> AsyncIterator[GenResult]:
+        yield GenResult("<gen>")
+
+    async def prompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
+        return [(0.0, i) for i in range(start, len(prompt))]
+
+    def chat_renderer(self) -> ChatRenderer | None:
+        return self._renderer
+
+    async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
+        return GenResult("<gen>")

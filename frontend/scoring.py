@@ -1,0 +1,40 @@
+"""Choosing a select's answer from the logprobs of each choice's tokens.
+
+`cond[i]` holds the logprobs of choice i's tokens after the prompt; `uncond[i]` those of choice
+i scored alone (None where a token had no context).
+"""
+
+from __future__ import annotations
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def choose(
+    method: str, cond: list[list[float]], uncond: list[list[float | None]] | None = None
+) -> tuple[int, list[float]]:
+    """(index of the chosen choice, one score per choice); ties go to the earliest choice.
+
+    - token_length_normalized: the mean token logprob;
+    - greedy: the lexicographically largest logprob sequence (the best first token wins, ties
+      look at the next token; a choice that ends inside a tie loses to a longer one);
+    - unconditional_likelihood_normalized: mean(cond) - mean(uncond), so choices the model
+      likes anywhere do not win just for being common.
+    """
+    if method == "token_length_normalized":
+        scores = [_mean(c) for c in cond]
+    elif method == "greedy":
+        scores = [_mean(c) for c in cond]
+        best = max(range(len(cond)), key=lambda i: (tuple(cond[i]), -i))
+        return best, scores
+    elif method == "unconditional_likelihood_normalized":
+        assert uncond is not None and len(uncond) == len(cond)
+        scores = [
+            _mean(c) - _mean([x for x in u if x is not None])
+            for c, u in zip(cond, uncond, strict=True)
+        ]
+    else:
+        raise ValueError(f"unknown choices_method {method!r}")
+    best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+    return best, scores

@@ -1,0 +1,479 @@
+"""Program state and the interpreter that runs its IR on an asyncio loop.
+
+`s += node` only queues the node; one drain task per state runs the queue in order, so a
+program's Python body finishes (or reaches a value it reads) before anything is awaited, and
+all states of a run — forks, batch members — progress together on one event loop.
+Constant text is appended locally and sent with the next gen: text + gen is one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from weft.frontend.backend import Backend, GenResult, Message, TokenLogprobs
+from weft.frontend.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, flatten
+from weft.frontend.scoring import choose
+
+T = TypeVar("T")
+_SENTINEL = "\x00weft-role-content\x00"
+# how many prefix tokens a choice request re-reads to find where the choice's tokens begin
+_BOUNDARY_WINDOW = 8
+
+
+class ProgramError(RuntimeError):
+    """A gen/select (or role) of a program failed; the message names it."""
+
+
+@dataclass
+class PlannedRequest:
+    kind: str  # generate | stream | chat | warm | score
+    label: str
+    prompt: str | list[Message]
+    params: dict[str, Any]
+
+    def __str__(self) -> str:
+        return f"{self.kind:<8} {self.label:<24} prompt={self.prompt!r} params={self.params}"
+
+
+class RunContext:
+    """What the states of one program run share: backend, loop, defaults, request log."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        loop: asyncio.AbstractEventLoop,
+        defaults: dict[str, Any],
+        stream: bool = False,
+        semaphore: asyncio.Semaphore | None = None,
+    ) -> None:
+        self.backend = backend
+        self.loop = loop
+        self.defaults = defaults
+        self.stream = stream
+        self.semaphore = semaphore
+        self.renderer = backend.chat_renderer()
+        self.plan: list[PlannedRequest] = []
+        self.states: list[ProgramState] = []
+        self.closed = False  # the program's Python body has returned
+
+    def block(self, aw: Awaitable[T]) -> T:
+        """Run the loop until `aw` is done; only from sync code (no loop running)."""
+        if self.loop.is_running():
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise RuntimeError(
+                "this value is not ready and the event loop is running: "
+                "`await state.wait()` first (or read it after the run)"
+            )
+        return self.loop.run_until_complete(aw)
+
+    def close(self) -> None:
+        self.closed = True
+        for s in self.states:
+            s._wake.set()
+
+    async def wait_all(self) -> None:
+        """Until every state of the run (forks included) has drained; the first error raises."""
+        for s in list(self.states):
+            await s.wait()
+
+    async def request(
+        self, kind: str, label: str, prompt: str | list[Message], params: dict[str, Any], aw: Any
+    ) -> Any:
+        self.plan.append(PlannedRequest(kind, label, prompt, params))
+        if self.semaphore is None:
+            return await aw
+        async with self.semaphore:
+            return await aw
+
+
+@dataclass
+class _OpenRole:
+    role: str
+    content: str
+    suffix: str
+
+
+class _ForkPoint:
+    def __init__(self, children: list[ProgramState]) -> None:
+        self.children = children
+
+    def __repr__(self) -> str:
+        return f"Fork({len(self.children)})"
+
+
+class _RoleBlock:
+    def __init__(self, state: ProgramState, role: str) -> None:
+        self.state = state
+        self.role = role
+
+    def __enter__(self) -> ProgramState:
+        self.state._push([RoleBegin(self.role)])
+        return self.state
+
+    def __exit__(self, *exc: object) -> None:
+        self.state._push([RoleEnd(self.role)])
+
+
+class ForkGroup(list["ProgramState"]):
+    """The states of `s.fork(n)`; `join()` gathers each variable the forks all set (and its
+    meta info) into a list on the parent."""
+
+    def __init__(self, parent: ProgramState, states: list[ProgramState]) -> None:
+        super().__init__(states)
+        self.parent = parent
+
+    def join(self) -> None:
+        for s in self:
+            s._sync()
+        names = [n for n in self[0]._vars if all(n in s._vars for s in self)]
+        for n in names:
+            if any(s._vars[n] is not self.parent._vars.get(n) for s in self):
+                self.parent._vars[n] = [s._vars[n] for s in self]
+                self.parent._meta[n] = [s._meta.get(n) for s in self]
+
+
+class ProgramState:
+    def __init__(self, ctx: RunContext) -> None:
+        self._ctx = ctx
+        ctx.states.append(self)
+        self._text = ""
+        self._vars: dict[str, Any] = {}
+        self._meta: dict[str, Any] = {}
+        self._messages: list[Message] = []
+        self._role: _OpenRole | None = None
+        self._outside_roles = False  # text was added outside any role
+        self._pending: deque[Node | _ForkPoint] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._events: list[tuple[str | None, str]] = []
+        self._wake = asyncio.Event()
+
+    # ---- building the program ----------------------------------------------------------------
+
+    def __iadd__(self, value: object) -> ProgramState:
+        self._push(flatten(value))
+        return self
+
+    def system(self) -> _RoleBlock:
+        return _RoleBlock(self, "system")
+
+    def user(self) -> _RoleBlock:
+        return _RoleBlock(self, "user")
+
+    def assistant(self) -> _RoleBlock:
+        return _RoleBlock(self, "assistant")
+
+    def fork(self, n: int = 1) -> ForkGroup:
+        """n states that continue from this point; the shared prefix is sent once, then the
+        branches run concurrently."""
+        if n < 1:
+            raise ValueError(f"fork(n) needs n >= 1, got {n}")
+        children = [ProgramState(self._ctx) for _ in range(n)]
+        for c in children:
+            c._ready = self._ctx.loop.create_future()
+        self._push([_ForkPoint(children)])
+        return ForkGroup(self, children)
+
+    def copy(self) -> ProgramState:
+        return self.fork(1)[0]
+
+    # ---- reading results (blocks until this state's queue has run) -----------------------------
+
+    def __getitem__(self, name: str) -> Any:
+        self._sync()
+        if name not in self._vars:
+            raise KeyError(f"no variable {name!r} in this program state")
+        return self._vars[name]
+
+    def __contains__(self, name: str) -> bool:
+        self._sync()
+        return name in self._vars
+
+    def text(self) -> str:
+        self._sync()
+        return self._text
+
+    def messages(self) -> list[Message]:
+        """The conversation so far in OpenAI format (an open role as its partial message)."""
+        self._sync()
+        out = [dict(m) for m in self._messages]
+        if self._role is not None:
+            out.append({"role": self._role.role, "content": self._role.content})
+        return out
+
+    def get_meta_info(self, name: str) -> dict[str, Any]:
+        self._sync()
+        return self._meta[name]
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        self._sync()
+        return dict(self._vars)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    async def wait(self) -> None:
+        """Until every queued node has run; raises the error that stopped the state."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+        if self._error is not None:
+            raise self._error
+
+    def _sync(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._ctx.block(self.wait())
+        if self._error is not None:
+            raise self._error
+
+    # ---- streaming -----------------------------------------------------------------------------
+
+    def text_iter(self, name: str | None = None) -> Iterator[str]:
+        """Text as it is produced (of variable `name`, or all of it); for run(stream=True)."""
+        i = 0
+        while True:
+            event = self._ctx.block(self._next_event(i, name))
+            if event is None:
+                return
+            i, piece = event
+            yield piece
+
+    async def text_async_iter(self, name: str | None = None) -> AsyncIterator[str]:
+        i = 0
+        while True:
+            event = await self._next_event(i, name)
+            if event is None:
+                return
+            i, piece = event
+            yield piece
+
+    async def _next_event(self, i: int, name: str | None) -> tuple[int, str] | None:
+        while True:
+            while i < len(self._events):
+                var, piece = self._events[i]
+                i += 1
+                if name is None or var == name:
+                    return i, piece
+            if self._error is not None:
+                raise self._error
+            idle = self._task is None or self._task.done()
+            if self._ctx.closed and idle and not self._pending:
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+
+    # ---- the interpreter -------------------------------------------------------------------------
+
+    def _push(self, nodes: list[Node | _ForkPoint]) -> None:
+        if self._error is not None:
+            raise self._error
+        self._pending.extend(nodes)
+        if self._task is None or self._task.done():
+            self._task = self._ctx.loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            if self._ready is not None:
+                await self._ready
+            while self._pending:
+                node = self._pending.popleft()
+                await getattr(self, "_run_" + type(node).__name__.lstrip("_"))(node)
+        except BaseException as exc:  # kept on the state; readers raise it
+            self._error = exc
+            for node in self._pending:
+                if isinstance(node, _ForkPoint):
+                    for c in node.children:
+                        if c._ready is not None and not c._ready.done():
+                            c._ready.set_exception(exc)
+            self._pending.clear()
+            if not isinstance(exc, Exception):  # cancellation, KeyboardInterrupt: propagate
+                raise
+        finally:
+            self._wake.set()
+
+    def _emit(self, piece: str, var: str | None = None, content: bool = True) -> None:
+        if not piece:
+            return
+        self._text += piece
+        if content:
+            if self._role is not None:
+                self._role.content += piece
+            else:
+                self._outside_roles = True
+        self._events.append((var, piece))
+        self._wake.set()
+
+    async def _run_Text(self, node: Text) -> None:
+        self._emit(node.value)
+
+    async def _run_RoleBegin(self, node: RoleBegin) -> None:
+        if self._role is not None:
+            raise ProgramError(f"{node.role}(): the {self._role.role} role is still open")
+        prefix = suffix = ""
+        render = self._ctx.renderer
+        if render is not None:
+            before = render(self._messages) if self._messages else ""
+            probe = render([*self._messages, {"role": node.role, "content": _SENTINEL}])
+            cut = probe.index(_SENTINEL)
+            if not probe[:cut].startswith(before):
+                raise ProgramError(
+                    f"{node.role}(): the chat template does not render the conversation "
+                    "incrementally (an earlier message changes when one is added)"
+                )
+            prefix, suffix = probe[len(before) : cut], probe[cut + len(_SENTINEL) :]
+        self._emit(prefix, content=False)
+        self._role = _OpenRole(node.role, "", suffix)
+
+    async def _run_RoleEnd(self, node: RoleEnd) -> None:
+        role = self._role
+        if role is None or role.role != node.role:
+            raise ProgramError(f"{node.role}() ends, but the open role is {role and role.role}")
+        self._role = None
+        self._messages.append({"role": role.role, "content": role.content})
+        self._emit(role.suffix, content=False)
+
+    def _chat_mode(self) -> bool:
+        return self._ctx.renderer is None and (bool(self._messages) or self._role is not None)
+
+    async def _run_Gen(self, node: Gen) -> None:
+        label = f"gen({node.name!r})"
+        ctx = self._ctx
+        params = {**ctx.defaults, **node.params}
+        try:
+            if self._chat_mode():
+                result = await self._chat(label, params)
+                self._emit(result.text, node.name)
+            elif ctx.stream:
+                result, seen = GenResult(""), ""
+                pieces = ctx.backend.generate_stream(self._text, params)
+                await ctx.request("stream", label, self._text, params, _none())
+                async for result in pieces:  # cumulative text
+                    self._emit(result.text[len(seen) :], node.name)
+                    seen = result.text
+            else:
+                gen = ctx.backend.generate(self._text, params)
+                result = await ctx.request("generate", label, self._text, params, gen)
+                self._emit(result.text, node.name)
+        except ProgramError:
+            raise
+        except Exception as exc:
+            raise ProgramError(f"{label} failed: {exc}") from exc
+        if node.name is not None:
+            self._vars[node.name] = result.text
+            self._meta[node.name] = result.meta
+
+    async def _chat(self, label: str, params: dict[str, Any]) -> GenResult:
+        name = self._ctx.backend.name
+        role = self._role
+        if role is None or role.role != "assistant" or role.content or self._outside_roles:
+            raise ProgramError(
+                f"{label}: {name} has no chat template to render roles, so a gen in a role "
+                "program must start an assistant turn, with no text outside roles "
+                "(use weft.Engine, which renders the model's template, for anything else)"
+            )
+        msgs = [dict(m) for m in self._messages]
+        aw = self._ctx.backend.chat(msgs, params)
+        result: GenResult = await self._ctx.request("chat", label, msgs, params, aw)
+        return result
+
+    async def _run_Select(self, node: Select) -> None:
+        label = f"select({node.name!r})"
+        if self._chat_mode():
+            raise ProgramError(
+                f"{label}: {self._ctx.backend.name} has no chat template, so select cannot score "
+                "choices inside a role program (use weft.Engine)"
+            )
+        try:
+            index, meta = await self._score(label, node)
+        except ProgramError:
+            raise
+        except Exception as exc:
+            raise ProgramError(f"{label} failed: {exc}") from exc
+        choice = node.choices[index]
+        self._emit(choice, node.name)
+        if node.name is not None:
+            self._vars[node.name] = choice
+            self._meta[node.name] = meta
+
+    async def _score(self, label: str, node: Select) -> tuple[int, dict[str, Any]]:
+        prefix = self._text
+        prefix_ids: list[int] = []
+        if prefix:  # also puts the prefix in the radix cache before the choices share it
+            entries = await self._logprobs(label, prefix, 0)
+            prefix_ids = [tid for _, tid in entries]
+        cond = await asyncio.gather(
+            *(self._choice_logprobs(label, prefix, prefix_ids, c) for c in node.choices)
+        )
+        uncond = None
+        if node.method == "unconditional_likelihood_normalized":
+            alone = await asyncio.gather(*(self._logprobs(label, c, 0) for c in node.choices))
+            uncond = [[lp for lp, _ in e] for e in alone]
+        index, scores = choose(node.method, list(cond), uncond)
+        meta = {
+            "choice": node.choices[index],
+            "scores": scores,
+            "input_token_logprobs": list(cond),
+            "unconditional_token_logprobs": uncond,
+        }
+        return index, meta
+
+    async def _logprobs(self, label: str, prompt: str, start: int) -> TokenLogprobs:
+        aw = self._ctx.backend.prompt_logprobs(prompt, start)
+        params = {"max_new_tokens": 0, "logprob_start_len": start}
+        result: TokenLogprobs = await self._ctx.request("score", label, prompt, params, aw)
+        return result
+
+    async def _choice_logprobs(
+        self, label: str, prefix: str, prefix_ids: list[int], choice: str
+    ) -> list[float]:
+        # NOTE: prefix + choice may tokenize differently at the seam (" yes" swallowing the
+        # prefix's trailing space); the choice's tokens start where the ids first differ.
+        start = max(0, len(prefix_ids) - _BOUNDARY_WINDOW)
+        entries = await self._logprobs(label, prefix + choice, start)
+        at = _seam(prefix_ids, [tid for _, tid in entries], start)
+        if at is None:  # differs already at the window's start: read the whole prompt
+            start = 0
+            entries = await self._logprobs(label, prefix + choice, 0)
+            at = _seam(prefix_ids, [tid for _, tid in entries], 0)
+            assert at is not None
+        return [lp for lp, _ in entries[at - start :] if lp is not None]
+
+    async def _run_ForkPoint(self, node: _ForkPoint) -> None:
+        if len(node.children) > 1 and self._text and not self._chat_mode():
+            warm = {"max_new_tokens": 0}
+            aw = self._ctx.backend.generate(self._text, warm)
+            try:
+                await self._ctx.request("warm", f"fork({len(node.children)})", self._text, warm, aw)
+            except Exception as exc:
+                raise ProgramError(f"fork({len(node.children)}) failed: {exc}") from exc
+        for c in node.children:
+            c._text = self._text
+            c._vars = dict(self._vars)
+            c._meta = dict(self._meta)
+            c._messages = [dict(m) for m in self._messages]
+            if self._role is not None:
+                c._role = _OpenRole(self._role.role, self._role.content, self._role.suffix)
+            c._outside_roles = self._outside_roles
+            assert c._ready is not None
+            c._ready.set_result(None)
+
+
+def _seam(prefix_ids: list[int], ids: list[int], start: int) -> int | None:
+    """Position of the choice's first token in the full prompt; `ids` starts at `start`."""
+    i = start
+    while i < len(prefix_ids) and i - start < len(ids) and ids[i - start] == prefix_ids[i]:
+        i += 1
+    if i == start and start > 0:
+        return None
+    return i
+
+
+async def _none() -> None:
+    return None

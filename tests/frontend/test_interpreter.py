@@ -1,0 +1,276 @@
+"""The interpreter against a scripted backend: IR, request merging, forks, select, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_backend import FakeBackend
+
+import weft
+from weft.frontend.api import ConstrainedDecodingUnsupported
+from weft.frontend.ir import Gen, RoleBegin, RoleEnd, Select, Text, flatten
+from weft.frontend.scoring import choose
+from weft.frontend.state import ProgramError, _seam
+
+
+def test_ir_nodes_print_as_the_program():
+    nodes = flatten("Q: " + weft.user("hi") + weft.gen("a", max_tokens=4, stop="\n"))
+    assert nodes == [
+        Text("Q: "),
+        RoleBegin("user"),
+        Text("hi"),
+        RoleEnd("user"),
+        Gen("a", {"max_new_tokens": 4, "stop": "\n"}),
+    ]
+    assert repr(weft.gen("a", max_tokens=4)) == "Gen('a', max_new_tokens=4)"
+    assert repr(weft.select("c", ["x", "y"])) == (
+        "Select('c', ['x', 'y'], method='token_length_normalized')"
+    )
+    assert repr(weft.user("hi")) == "RoleBegin('user') + Text('hi') + RoleEnd('user')"
+    assert weft.gen("c", choices=["a", "b"]) == Select("c", ["a", "b"])
+
+
+@pytest.mark.parametrize("key", ["regex", "json_schema", "ebnf", "dtype"])
+def test_constrained_gen_is_a_clear_error(key):
+    with pytest.raises(ConstrainedDecodingUnsupported, match=rf"gen\('x'\): {key} is not supp"):
+        weft.gen("x", **{key: "[0-9]+" if key != "dtype" else int})
+    assert issubclass(ConstrainedDecodingUnsupported, ValueError)
+
+
+def test_bad_select_arguments():
+    with pytest.raises(ValueError, match="choices must be a non-empty list"):
+        weft.select("x", [])
+    with pytest.raises(ValueError, match="unknown choices_method 'best'"):
+        weft.select("x", ["a"], choices_method="best")
+
+
+@weft.function
+def qa(s, question):
+    s += "Q: " + question + "\n"
+    s += "A: " + weft.gen("answer", max_tokens=8, stop="\n")
+    s += "\nThanks."
+
+
+def test_text_and_gen_are_one_request_and_defaults_apply():
+    be = FakeBackend(replies={"A: ": "four"})
+    s = qa.run(question="2+2?", backend=be, temperature=0, max_new_tokens=99)
+    assert be.calls == [
+        ("generate", "Q: 2+2?\nA: ", {"temperature": 0, "max_new_tokens": 8, "stop": "\n"})
+    ]
+    assert s["answer"] == "four"
+    assert s.text() == "Q: 2+2?\nA: four\nThanks."
+    assert s.get_meta_info("answer") == {"completion_tokens": 4}
+
+
+def test_unknown_run_argument():
+    with pytest.raises(TypeError, match="unknown run\\(\\) argument 'colour'"):
+        qa.run(question="x", backend=FakeBackend(), colour=1)
+
+
+def test_trace_prints_the_plan():
+    plan = qa.trace(question="2+2?")
+    assert [(r.kind, r.label, r.prompt) for r in plan] == [
+        ("generate", "gen('answer')", "Q: 2+2?\nA: ")
+    ]
+    assert str(plan) == (
+        "  1. generate gen('answer')            prompt='Q: 2+2?\\nA: ' "
+        "params={'max_new_tokens': 8, 'stop': '\\n'}"
+    )
+
+
+@weft.function
+def tips(s, topic):
+    s += f"Tips on {topic}:\n"
+    forks = s.fork(3)
+    for i, f in enumerate(forks):
+        f += f"Tip {i + 1}: " + weft.gen("tip", max_tokens=5)
+    s += "".join(f["tip"] for f in forks)
+
+
+def test_fork_warms_the_prefix_once_then_runs_branches_concurrently():
+    be = FakeBackend(replies={"Tip 1: ": "a", "Tip 2: ": "b", "Tip 3: ": "c"}, delay=0.05)
+    s = tips.run(topic="tea", backend=be)
+    prefix = "Tips on tea:\n"
+    assert be.calls[0] == ("generate", prefix, {"max_new_tokens": 0})
+    assert sorted(c[1] for c in be.calls[1:]) == [prefix + f"Tip {i}: " for i in (1, 2, 3)]
+    assert be.max_in_flight == 3
+    assert s.text() == prefix + "abc"
+
+
+def test_forks_see_parent_variables_and_join_gathers():
+    be = FakeBackend(replies={"name: ": "Ann", "x": "1", "y": "2"})
+
+    @weft.function
+    def prog(s):
+        s += "name: " + weft.gen("name")
+        forks = s.fork(2)
+        forks[0] += "x" + weft.gen("v")
+        forks[1] += "y" + weft.gen("v")
+        assert [f["name"] for f in forks] == ["Ann", "Ann"]
+        forks.join()
+
+    s = prog.run(backend=be)
+    assert s["v"] == ["1", "2"]
+    assert s.get_meta_info("v") == [{"completion_tokens": 1}] * 2
+    assert s["name"] == "Ann"
+
+
+def test_copy_is_an_independent_continuation():
+    be = FakeBackend()
+
+    @weft.function
+    def prog(s):
+        s += "a"
+        c = s.copy()
+        c += "b"
+        s += "c"
+        assert c.text() == "ab"
+
+    assert prog.run(backend=be).text() == "ac"
+    assert be.calls == []  # a copy of one branch needs no warm request
+
+
+def test_seam_finds_where_the_choice_tokens_start():
+    assert _seam([1, 2, 3], [1, 2, 3, 4, 5], 0) == 3
+    # the choice's first token swallowed the prefix's last one (" yes" after "A: ")
+    assert _seam([1, 2, 3], [1, 2, 9, 5], 0) == 2
+    assert _seam([1, 2, 3, 4], [3, 4, 7], 2) == 4
+    assert _seam([1, 2, 3, 4], [8, 7], 2) is None  # differs before the window: read all
+
+
+def test_choose_each_method_exactly():
+    cond = [[-1.0, -3.0], [-2.5], [-1.0, -2.0, -3.0]]
+    assert choose("token_length_normalized", cond) == (0, [-2.0, -2.5, -2.0])
+    # greedy: the first token ties (-1.0) between 0 and 2; the second token decides
+    assert choose("greedy", cond) == (2, [-2.0, -2.5, -2.0])
+    uncond: list[list[float | None]] = [[None, -1.0], [None], [-3.0, -3.0, -3.0]]
+    assert choose("unconditional_likelihood_normalized", cond, uncond) == (2, [-1.0, -2.5, 1.0])
+
+
+def test_select_scores_choice_tokens_after_the_prefix():
+    be = FakeBackend(char_logprob={"a": -0.5, "b": -2.0, "c": -0.25})
+
+    @weft.function
+    def prog(s):
+        s += "pick: " + weft.select("x", ["ab", "c", "bb"])
+
+    s = prog.run(backend=be)
+    assert s["x"] == "c" and s.text() == "pick: c"
+    meta = s.get_meta_info("x")
+    assert meta["input_token_logprobs"] == [[-0.5, -2.0], [-0.25], [-2.0, -2.0]]
+    assert meta["scores"] == [-1.25, -0.25, -2.0]
+    # the prefix is scored (and cached) first; each choice re-reads the last 8 prefix tokens
+    assert be.calls[0] == ("score", "pick: ", {"start": 0})
+    assert sorted(c[1:] for c in be.calls[1:]) == [
+        ("pick: ab", {"start": 0}),
+        ("pick: bb", {"start": 0}),
+        ("pick: c", {"start": 0}),
+    ]
+
+
+def test_select_window_starts_near_the_end_of_a_long_prefix():
+    be = FakeBackend()
+
+    @weft.function
+    def prog(s):
+        s += "0123456789abc" + weft.select("x", ["y", "n"], choices_method="greedy")
+
+    prog.run(backend=be)
+    assert {c[2]["start"] for c in be.calls[1:]} == {13 - 8}
+
+
+def test_unconditional_select_scores_choices_alone():
+    be = FakeBackend(char_logprob={"y": -1.0, "n": -2.0})
+
+    @weft.function
+    def prog(s):
+        s += "q" + weft.select(
+            "x", ["yy", "nn"], choices_method="unconditional_likelihood_normalized"
+        )
+
+    s = prog.run(backend=be)
+    # alone, each choice's first token has no context: only the second counts
+    assert s.get_meta_info("x")["unconditional_token_logprobs"] == [[None, -1.0], [None, -2.0]]
+    assert s.get_meta_info("x")["scores"] == [0.0, 0.0]
+    assert s["x"] == "yy"
+
+
+def test_roles_render_with_the_backend_template():
+    be = FakeBackend(template=True, replies={"<assistant>": "hello"})
+
+    @weft.function
+    def chat(s):
+        s += weft.system("be brief")
+        with s.user():
+            s += "hi"
+        s += weft.assistant(weft.gen("reply"))
+
+    s = chat.run(backend=be)
+    assert be.calls == [("generate", "<system>be brief</system><user>hi</user><assistant>", {})]
+    assert s.text() == "<system>be brief</system><user>hi</user><assistant>hello</assistant>"
+    assert s.messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+
+
+def test_roles_without_template_go_through_chat():
+    be = FakeBackend(replies={"hi": "hello"})
+
+    @weft.function
+    def chat(s):
+        s += weft.user("hi") + weft.assistant(weft.gen("reply", max_tokens=3))
+
+    s = chat.run(backend=be)
+    assert be.calls == [("chat", [{"role": "user", "content": "hi"}], {"max_new_tokens": 3})]
+    assert s["reply"] == "hello"
+
+
+def test_roles_without_template_reject_text_outside_roles():
+    @weft.function
+    def chat(s):
+        s += "preamble" + weft.user("hi") + weft.assistant(weft.gen("reply"))
+
+    with pytest.raises(ProgramError, match=r"gen\('reply'\): Fake has no chat template"):
+        chat.run(backend=FakeBackend())
+
+
+def test_backend_error_names_the_gen():
+    with pytest.raises(ProgramError, match=r"gen\('answer'\) failed: HTTP 400 from /generate"):
+        qa.run(question="bad", backend=FakeBackend(fail_on="bad"))
+
+
+def test_stream_text_iter_yields_pieces():
+    be = FakeBackend(replies={"A: ": "four"})
+    s = qa.run(question="2+2?", backend=be, stream=True)
+    assert list(s.text_iter("answer")) == ["f", "o", "u", "r"]
+    assert s.text() == "Q: 2+2?\nA: four\nThanks."
+
+
+def test_stream_async_iter():
+    be = FakeBackend(replies={"A: ": "hey"})
+
+    async def main() -> list[str]:
+        s = await qa.run_async(question="x", backend=be, stream=True)
+        return [p async for p in s.text_async_iter()]
+
+    assert "".join(asyncio.run(main())) == "Q: x\nA: hey\nThanks."
+
+
+def test_run_batch_on_one_loop_with_max_concurrency():
+    be = FakeBackend(replies={"A: ": "ok"}, delay=0.02)
+    states = qa.run_batch([{"question": str(i)} for i in range(6)], backend=be, max_concurrency=2)
+    assert [s["answer"] for s in states] == ["ok"] * 6
+    assert be.max_in_flight == 2
+    assert [c[1] for c in be.calls] == [f"Q: {i}\nA: " for i in range(6)]
+
+
+def test_run_batch_keeps_errors_on_their_states():
+    states = qa.run_batch(
+        [{"question": "good"}, {"question": "bad"}], backend=FakeBackend(fail_on="bad")
+    )
+    assert states[0]["answer"] == "ok"
+    with pytest.raises(ProgramError, match=r"gen\('answer'\) failed"):
+        states[1].text()
