@@ -117,6 +117,7 @@ def main() -> None:
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--workload", choices=["random", "shared-prefix"], default="random")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128, help="prompt (or question) tokens")
@@ -140,6 +141,7 @@ def main() -> None:
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
+        attention_backend=args.attention_backend,
         log_level="warning",
     )
     runs = [("radix cache on", False)] + (
@@ -162,6 +164,7 @@ def main() -> None:
             config = engine.model_config
             dtype = str(engine.runner.dtype).removeprefix("torch.")
             torch_dtype, folder = engine.runner.dtype, str(engine.source.folder)
+            backend = type(engine.runner.attention).__name__
         engine.shutdown()
         del engine  # NOTE: the next run's engine sizes its KV pool from the memory left free
         gc.collect()
@@ -174,7 +177,7 @@ def main() -> None:
     print(f"\ndevice    : {describe_device(device)}")
     print(
         f"model     : {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'} "
-        f"{config.architecture}, {dtype}, load_format={args.load_format}"
+        f"{config.architecture}, {dtype}, load_format={args.load_format}, {backend}"
     )
     shape = (
         f"{args.groups} groups x system {args.system_len} + question {args.input_len}"

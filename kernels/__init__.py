@@ -1,1 +1,13 @@
+"""Triton kernels, each with a torch reference twin (`<name>_ref`) and a checking wrapper.
 
+    decode_attention   paged attention, one query token per request (split-K + merge)
+    extend_attention   paged prefill/extend attention over a cached prefix + causal new tokens
+    kv_store           write new tokens' K/V into the pool at their slots
+    rmsnorm            fused residual add + RMSNorm
+    rotary             rotate-half RoPE from cos/sin tables
+    activation         SiLU-and-mul
+
+Import the modules themselves (`from weft.kernels.rmsnorm import rmsnorm`): this package imports
+nothing, so `import weft.kernels` works where Triton is not installed.
+CPU tensors run under Triton's interpreter (set TRITON_INTERPRET=1 before importing triton).
+"""

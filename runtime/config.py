@@ -13,7 +13,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -53,7 +53,11 @@ class EngineConfig:
     )
     disable_radix_cache: bool = field(default=False, metadata=_help("turn the prefix cache off"))
     attention_backend: str = field(
-        default="auto", metadata=_help("attention implementation", choices=ATTENTION_BACKENDS)
+        default="auto",
+        metadata=_help(
+            "attention implementation (auto: triton on CUDA, torch on the CPU)",
+            choices=ATTENTION_BACKENDS,
+        ),
     )
     random_seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     cache_dir: str | None = field(

@@ -75,6 +75,12 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     return stored
 
 
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,7 +117,7 @@ class ModelRunner:
             self.device,
         )
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 8, max_ctx, self.device)
-        self.attention: AttentionBackend = TorchAttention(self.kv_pool, self.req_to_token)
+        self.attention = self._attention_backend()
         logger.info(
             "model %s: %s, %s on %s, KV pool %d tokens (%.2f GB)",
             source.display_path,
@@ -121,6 +127,18 @@ class ModelRunner:
             self.kv_pool.size,
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
         )
+
+    def _attention_backend(self) -> AttentionBackend:
+        choice = self.config.attention_backend
+        if choice == "auto":
+            choice = "triton" if self.device.type == "cuda" and _has_triton() else "torch"
+        if choice == "triton":
+            if self.device.type != "cuda":
+                raise ValueError("attention_backend 'triton' needs a CUDA device")
+            from weft.runtime.triton_attention import TritonAttention
+
+            return TritonAttention(self.kv_pool, self.req_to_token)
+        return TorchAttention(self.kv_pool, self.req_to_token)
 
     def _load_weights(self, source: ModelSource) -> None:
         if source.load_format == "dummy":

@@ -1,0 +1,343 @@
+"""Time the Triton kernels of weft.kernels at Llama-3-8B shapes on a CUDA GPU.
+
+    python benchmarks/bench_kernels.py [--dtype bfloat16]
+
+Each row: the median time (triton.testing.do_bench) of eager calls and of CUDA-graph replays
+(device time without the host's launch overhead), the fewest bytes the kernel must move (inputs
+read once, outputs written once) over the graph time, next to the device's copy bandwidth
+measured in the same run; attention rows also give TFLOP/s next to a measured bf16 matmul rate.
+`--sweep` times the attention kernels' tile settings instead.
+The torch column times the torch twin / the code the model runs without the kernel.
+Inputs are random (never zeros) and sized well past the L2 cache where the shape allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common import describe_device
+
+# Llama-3-8B
+HQ, HKV, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
+
+
+@dataclass
+class Row:
+    name: str
+    shape: str
+    ms: float
+    bytes_moved: int
+    flops: int = 0
+    torch_ms: float | None = None
+    graph_ms: float | None = None
+    host_us: float | None = None
+
+
+def bench(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def bench_graph(fn: Callable[[], object]) -> float:
+    """Median time of `fn` replayed from a CUDA graph: the device time without the host's launch
+    overhead (Python wrapper, argument checks, Triton's launcher)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
+
+
+def host_us(fn: Callable[[], object], calls: int = 100) -> float:
+    """Host time per call (wrapper checks, allocations, launches) of back-to-back calls: where it
+    exceeds the device time, eager calls are host-bound and need a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def timed(name: str, shape: str, fn: Callable[[], object], bytes_moved: int, **kw: Any) -> Row:
+    return Row(
+        name, shape, bench(fn), bytes_moved, graph_ms=bench_graph(fn), host_us=host_us(fn), **kw
+    )
+
+
+def copy_gbps(dev: torch.device) -> float:
+    src = torch.randn(256 * 2**20, device=dev)  # 1 GiB
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e6
+
+
+def matmul_tflops(dev: torch.device) -> float:
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench(lambda: a @ b) / 1e9
+
+
+def paged_pool(
+    seq_lens: list[int], dtype: torch.dtype, dev: torch.device, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k/v buffers [slots, Hkv, D] and req_to_token [B, max_len] over shuffled slots."""
+    total, width = sum(seq_lens), max(seq_lens)
+    k_buf = torch.randn((total + 1, HKV, D), device=dev, dtype=dtype, generator=g)
+    v_buf = torch.randn((total + 1, HKV, D), device=dev, dtype=dtype, generator=g)
+    slots = torch.randperm(total, device=dev, generator=g) + 1
+    table = torch.zeros((len(seq_lens), width), dtype=torch.int64, device=dev)
+    start = 0
+    for b, n in enumerate(seq_lens):
+        table[b, :n] = slots[start : start + n]
+        start += n
+    return k_buf, v_buf, table
+
+
+def decode_case(
+    batch: int, seq: int, dtype: torch.dtype, dev: torch.device, g: torch.Generator
+) -> Row:
+    import torch.nn.functional as F
+
+    from weft.kernels.decode_attention import decode_attention, default_num_kv_splits
+
+    lens = [seq] * batch
+    k_buf, v_buf, table = paged_pool(lens, dtype, dev, g)
+    q = torch.randn((batch, HQ, D), device=dev, dtype=dtype, generator=g)
+    idx = torch.arange(batch, device=dev)
+    seq_lens = torch.tensor(lens, device=dev)
+    scale = 1 / math.sqrt(D)
+    splits = default_num_kv_splits(batch, HKV, seq, dev)
+
+    def triton_fn() -> object:
+        return decode_attention(q, k_buf, v_buf, table, idx, seq_lens, scale, num_kv_splits=splits)
+
+    def torch_fn() -> object:  # what TorchAttention does for a decode step
+        keys = k_buf[table].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_buf[table].transpose(1, 2)
+        return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True)
+
+    kv_bytes = 2 * batch * seq * HKV * D * dtype.itemsize + batch * seq * 8  # K, V, table
+    qo_bytes = 2 * batch * HQ * D * dtype.itemsize
+    return timed(
+        "decode_attention",
+        f"B={batch} L={seq} S={splits}",
+        triton_fn,
+        kv_bytes + qo_bytes,
+        flops=4 * batch * HQ * seq * D,
+        torch_ms=bench(torch_fn),
+    )
+
+
+def extend_case(
+    prefix: list[int], ext: list[int], dtype: torch.dtype, dev: torch.device, g: torch.Generator
+) -> Row:
+    from weft.kernels.extend_attention import extend_attention
+
+    lens = [p + e for p, e in zip(prefix, ext, strict=True)]
+    k_buf, v_buf, table = paged_pool(lens, dtype, dev, g)
+    q = torch.randn((sum(ext), HQ, D), device=dev, dtype=dtype, generator=g)
+    idx = torch.arange(len(lens), device=dev)
+    qo_indptr = torch.zeros(len(lens) + 1, dtype=torch.int64, device=dev)
+    qo_indptr[1:] = torch.tensor(ext, device=dev).cumsum(0)
+    prefix_t = torch.tensor(prefix, device=dev)
+    scale, longest = 1 / math.sqrt(D), max(ext)
+
+    def triton_fn() -> object:
+        return extend_attention(q, k_buf, v_buf, table, idx, qo_indptr, prefix_t, longest, scale)
+
+    # causal: query t of a request sees prefix + t + 1 keys
+    pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix, ext, strict=True))
+    moved = (2 * sum(ext) * HQ * D + 2 * sum(lens) * HKV * D) * dtype.itemsize
+    shape = f"{len(lens)}x(prefix {prefix[0]} + {ext[0]})"
+    return timed("extend_attention", shape, triton_fn, moved, flops=4 * HQ * D * pairs)
+
+
+def bench_attention(dtype: torch.dtype, dev: torch.device, g: torch.Generator) -> list[Row]:
+    rows = [decode_case(b, s, dtype, dev, g) for b, s in ((64, 4096), (1, 32768), (256, 1024))]
+    for prefix, ext in (([0] * 4, [4096] * 4), ([3072] * 8, [1024] * 8)):
+        rows.append(extend_case(prefix, ext, dtype, dev, g))
+    return rows
+
+
+def bench_elementwise(dtype: torch.dtype, dev: torch.device, g: torch.Generator) -> list[Row]:
+    from weft.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from weft.kernels.kv_store import kv_store, kv_store_ref
+    from weft.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+    from weft.kernels.rotary import apply_rotary, apply_rotary_ref
+    from weft.runtime.models.layers import Rotary
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=dev, dtype=dtype, generator=g)
+
+    size = dtype.itemsize
+    rows = []
+
+    tokens = 32768
+    k, v = rand(tokens, HKV, D), rand(tokens, HKV, D)
+    k_buf, v_buf = rand(4 * tokens, HKV, D), rand(4 * tokens, HKV, D)
+    loc = torch.randperm(4 * tokens, device=dev, generator=g)[:tokens]
+    rows.append(
+        timed(
+            "kv_store",
+            f"T={tokens}",
+            lambda: kv_store(k, v, k_buf, v_buf, loc),
+            4 * tokens * HKV * D * size + tokens * 8,
+            torch_ms=bench(lambda: kv_store_ref(k, v, k_buf, v_buf, loc)),
+        )
+    )
+
+    tokens = 16384
+    x, res = rand(tokens, HIDDEN), rand(tokens, HIDDEN)
+    w = rand(HIDDEN)
+    rows.append(
+        timed(
+            "rmsnorm+residual",
+            f"T={tokens} H={HIDDEN}",
+            lambda: rmsnorm(x, w, 1e-5, res),
+            4 * tokens * HIDDEN * size,
+            torch_ms=bench(lambda: rmsnorm_ref(x, w, 1e-5, res)),
+        )
+    )
+
+    rot = Rotary(D, 131072, 500000.0, None)
+    cos, sin = rot.cos.to(dev), rot.sin.to(dev)
+    qkv = rand(tokens, (HQ + 2 * HKV) * D)
+    qk = qkv[:, : (HQ + HKV) * D].view(tokens, HQ + HKV, D)
+    pos = torch.randint(0, 131072, (tokens,), device=dev, generator=g)
+    rows.append(
+        timed(
+            "rotary (q+k, in place)",
+            f"T={tokens} H={HQ + HKV}",
+            lambda: apply_rotary(qk, cos, sin, pos, out=qk),
+            2 * tokens * (HQ + HKV) * D * size + tokens * D * 4,
+            torch_ms=bench(lambda: apply_rotary_ref(qk, cos, sin, pos)),
+        )
+    )
+
+    tokens = 8192
+    gate_up = rand(tokens, 2 * INTER)
+    rows.append(
+        timed(
+            "silu_and_mul",
+            f"T={tokens} I={INTER}",
+            lambda: silu_and_mul(gate_up),
+            3 * tokens * INTER * size,
+            torch_ms=bench(lambda: silu_and_mul_ref(gate_up)),
+        )
+    )
+    return rows
+
+
+def sweep(dtype: torch.dtype, dev: torch.device, g: torch.Generator) -> None:
+    """Graph-replay times of the attention kernels' tile/launch settings (for choosing defaults)."""
+    from weft.kernels.decode_attention import decode_attention
+    from weft.kernels.extend_attention import extend_attention
+
+    for batch, seq, splits in ((64, 4096, 2), (64, 4096, 4), (1, 32768, 64), (256, 1024, 1)):
+        k_buf, v_buf, table = paged_pool([seq] * batch, dtype, dev, g)
+        q = torch.randn((batch, HQ, D), device=dev, dtype=dtype, generator=g)
+        idx = torch.arange(batch, device=dev)
+        lens = torch.full((batch,), seq, device=dev)
+        moved = 2 * batch * seq * HKV * D * dtype.itemsize
+        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+            kw = dict(num_kv_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+            ms = bench_graph(
+                functools.partial(decode_attention, q, k_buf, v_buf, table, idx, lens, 0.1, **kw)
+            )
+            print(f"decode B={batch} L={seq} {kw}: {ms:.3f} ms {moved / ms / 1e6:.0f} GB/s")
+        del k_buf, v_buf
+    ext = [4096] * 4
+    k_buf, v_buf, table = paged_pool(ext, dtype, dev, g)
+    q = torch.randn((sum(ext), HQ, D), device=dev, dtype=dtype, generator=g)
+    idx = torch.arange(4, device=dev)
+    qo_indptr = torch.arange(0, 5 * 4096, 4096, device=dev)
+    prefix = torch.zeros(4, dtype=torch.int64, device=dev)
+    flops = 4 * HQ * D * 4 * 4096 * 4097 // 2
+    for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
+        kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        try:
+            ms = bench_graph(
+                functools.partial(
+                    extend_attention,
+                    q,
+                    k_buf,
+                    v_buf,
+                    table,
+                    idx,
+                    qo_indptr,
+                    prefix,
+                    4096,
+                    0.1,
+                    **kw,
+                )
+            )
+        except Exception as exc:  # e.g. out of shared memory for large tiles
+            print(f"extend {kw}: failed ({type(exc).__name__})")
+            continue
+        print(f"extend 4x4096 {kw}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--sweep", action="store_true", help="time the attention kernels' tile settings")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(
+            "bench_kernels: no CUDA device. The kernels are timed on a GPU only (on the CPU "
+            "Triton's interpreter runs them, for tests: pytest tests/kernels)."
+        )
+    dev = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    print(f"device: {describe_device(dev)}")
+    if args.sweep:
+        sweep(dtype, dev, g)
+        return
+    peak_bw, peak_flops = copy_gbps(dev), matmul_tflops(dev)
+    print(f"measured: copy {peak_bw:.0f} GB/s (read + write), bf16 matmul {peak_flops:.0f} TFLOP/s")
+    print(f"Llama-3-8B shapes: Hq={HQ} Hkv={HKV} D={D} hidden={HIDDEN} inter={INTER}, {dtype}")
+    rows = bench_attention(dtype, dev, g) + bench_elementwise(dtype, dev, g)
+    header = (
+        f"{'kernel':24} {'shape':26} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
+        f"{'graph ms':>9} {'host us':>8} {'torch ms':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        device_ms = r.graph_ms if r.graph_ms is not None else r.ms
+        gbps = r.bytes_moved / device_ms / 1e6
+        tflops = f"{r.flops / device_ms / 1e9:8.1f}" if r.flops else " " * 8
+        torch_ms = f"{r.torch_ms:9.3f}" if r.torch_ms is not None else " " * 9
+        graph_ms = f"{r.graph_ms:9.3f}" if r.graph_ms is not None else " " * 9
+        host = f"{r.host_us:8.1f}" if r.host_us is not None else " " * 8
+        print(
+            f"{r.name:24} {r.shape:26} {r.ms:8.3f} {gbps:7.0f} {100 * gbps / peak_bw:5.0f}% "
+            f"{tflops} {graph_ms} {host} {torch_ms}"
+        )
+    print(
+        f"(peak: copy {peak_bw:.0f} GB/s, matmul {peak_flops:.0f} TFLOP/s; ms: eager calls from "
+        "Python; graph ms: the same call replayed from a CUDA graph, without the host's launch "
+        "overhead; host us: host time per call; GB/s and TFLOP/s from graph ms)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Shared pieces of the attention kernels: the paged KV layout (torch and Triton) and `dot`.
+
+The paged layout:
+
+    page_size P == 1 (the KVPool today):  slot(row, pos) = req_to_token[row, pos]
+    page_size P  > 1:                     slot(row, pos) = req_to_token[row, pos // P] * P + pos % P
+                                          (req_to_token then holds page ids, not slots)
+
+    k_buffer[slot], v_buffer[slot] -> [Hkv, D]   (buffers are [num_slots, Hkv, D])
+
+NOTE: slot 0 is reserved and stays zero (runtime/kv_pool.py); with P > 1 that reserves page 0
+(slots 0 .. P-1). The kernels read only positions < seq_len of a request: entries past it may be
+stale and point at slots that now belong to other requests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def token_slots(req_to_token: torch.Tensor, row: int, seq_len: int, page_size: int) -> torch.Tensor:
+    """Slots [seq_len] int64 of positions 0 .. seq_len-1 of the request in `row`."""
+    if page_size == 1:
+        return req_to_token[row, :seq_len].long()
+    pos = torch.arange(seq_len, device=req_to_token.device)
+    return req_to_token[row, pos // page_size].long() * page_size + pos % page_size
+
+
+@triton.jit
+def load_slots(table_row, pos, mask, PAGE_SIZE: tl.constexpr):
+    """Slots (int64) of positions `pos` of one request; `table_row` points at its req_to_token row.
+
+    Masked-off positions give slot 0 (the reserved zero slot), so a caller that forgets to mask
+    its K/V load still reads finite zeros rather than another request's memory.
+    """
+    if PAGE_SIZE == 1:
+        return tl.load(table_row + pos, mask=mask, other=0).to(tl.int64)
+    page = tl.load(table_row + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+    return page * PAGE_SIZE + (pos % PAGE_SIZE)
+
+
+@triton.jit
+def dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b accumulated in fp32.
+
+    NOTE: Triton's CPU interpreter (3.9) multiplies the raw bits of bfloat16 operands; the wrappers
+    set UPCAST on CPU tensors. Upcasting 16-bit values to fp32 is exact and so are their products
+    in fp32 ("ieee"), so both paths compute the same function.
+    """
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)

@@ -1,0 +1,164 @@
+"""Paged decode attention vs its torch twin (float64): page sizes, GQA, splits, strides."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from weft.kernels import decode_attention as mod
+from weft.kernels.decode_attention import decode_attention, decode_attention_ref
+
+from .kernel_utils import (
+    REL_TOL,
+    SMALL_DEVICE,
+    generator,
+    poison_unused,
+    poisoned,
+    randn,
+    random_table,
+    rel_err,
+)
+
+
+def _case(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    index_dtype: torch.dtype = torch.int64,
+    max_ctx: int | None = None,
+) -> dict:
+    """Random pool and table; the table's rows are a shuffled subset, with spare rows between."""
+    g = generator(name, device)
+    batch = len(seq_lens)
+    max_ctx = max_ctx or max(seq_lens) + 3
+    cols = -(-max_ctx // page_size)
+    rows = 2 * batch + 1
+    num_entries = rows * cols + 8  # slots (page 1) or pages, 0 reserved
+    k_buf = randn((num_entries * page_size, num_kv_heads, head_dim), dtype, device, g)
+    v_buf = randn((num_entries * page_size, num_kv_heads, head_dim), dtype, device, g)
+    k_buf[:page_size] = 0  # the reserved slot / page stays zero, as in the KVPool
+    v_buf[:page_size] = 0
+    table = random_table(rows, cols, num_entries, index_dtype, device, g)
+    row_ids = torch.randperm(rows, generator=g, device=device)[:batch].to(index_dtype)
+    lens = torch.tensor(seq_lens, dtype=index_dtype, device=device)
+    poison_unused(k_buf, table, row_ids, lens, page_size)
+    q = randn((batch, num_heads, head_dim), dtype, device, g)
+    return dict(
+        q=q,
+        k_buffer=k_buf,
+        v_buffer=v_buf,
+        req_to_token=table,
+        req_pool_indices=row_ids,
+        seq_lens=lens,
+        sm_scale=1.0 / math.sqrt(head_dim),
+        page_size=page_size,
+    )
+
+
+def _check(args: dict, dtype: torch.dtype, **kwargs: object) -> None:
+    q = args["q"]
+    out = poisoned(tuple(q.shape), q.dtype, q.device)
+    result = decode_attention(**args, out=out, **kwargs)
+    assert result is out
+    as64 = {k: (v.double() if k in ("q", "k_buffer", "v_buffer") else v) for k, v in args.items()}
+    # the reference reads only positions < seq_len too, so it must not see the NaNs either
+    ref = decode_attention_ref(**as64)
+    err = rel_err(out, ref)
+    assert err < REL_TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_dtypes_and_pages(request, dtype, page_size):
+    args = _case(request.node.nodeid, SMALL_DEVICE, dtype, [1, 37, 20], 4, 2, 32, page_size)
+    _check(args, dtype, num_kv_splits=3, block_n=16)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(2, 2, 16), (8, 2, 16), (4, 1, 64), (4, 2, 8), (6, 3, 24)],
+)
+def test_decode_head_layouts(request, num_heads, num_kv_heads, head_dim):
+    """MHA, GQA groups 4 and 4 (MQA), head dims below 16 and not powers of two (padded)."""
+    args = _case(
+        request.node.nodeid,
+        SMALL_DEVICE,
+        torch.float32,
+        [5, 23],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        1,
+    )
+    _check(args, torch.float32, num_kv_splits=2, block_n=16)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2, 7, None])
+def test_decode_splits(request, num_kv_splits):
+    """More splits than tiles (empty splits), one split, and the default heuristic."""
+    args = _case(request.node.nodeid, SMALL_DEVICE, torch.float32, [40, 3, 17], 4, 2, 16, 1)
+    _check(args, torch.float32, num_kv_splits=num_kv_splits, block_n=16, max_seq_len=40)
+
+
+def test_decode_int32_indices_strided_q_default_blocks(request):
+    args = _case(
+        request.node.nodeid, SMALL_DEVICE, torch.bfloat16, [33, 9], 4, 2, 32, 1, torch.int32
+    )
+    # q as the decode step produces it: a head slice of a wider [B, Hq + Hkv, D] tensor
+    wide = randn((2, 6, 32), torch.bfloat16, SMALL_DEVICE, generator("wide", SMALL_DEVICE))
+    wide[:, :4] = args["q"]
+    args["q"] = wide[:, :4]
+    assert not args["q"].is_contiguous()
+    _check(args, torch.bfloat16, num_kv_splits=2)
+
+
+def test_decode_merge_reads_only_written_splits(request, monkeypatch):
+    """Scratch rows of empty splits stay NaN: the merge must skip them."""
+    real = mod._scratch
+    monkeypatch.setattr(mod, "_scratch", lambda numel, device: real(numel, device).fill_(math.nan))
+    args = _case(request.node.nodeid, SMALL_DEVICE, torch.float32, [2, 18], 2, 1, 16, 1)
+    _check(args, torch.float32, num_kv_splits=4, block_n=16)
+
+
+def test_decode_rejects_bad_inputs(request):
+    args = _case(request.node.nodeid, SMALL_DEVICE, torch.float32, [4], 4, 2, 16, 1)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(**{**args, "q": args["q"][:, :3]})
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(**{**args, "q": args["q"].half()})
+    with pytest.raises(ValueError, match="stride"):
+        decode_attention(**{**args, "k_buffer": args["k_buffer"].transpose(1, 2)})
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention(**{**args, "seq_lens": args["seq_lens"].repeat(2)})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_real_shapes_cuda(request, page_size):
+    """Llama-3-8B attention shapes: B=64, contexts up to 4096, Hq=32, Hkv=8, D=128, bf16."""
+    dev = torch.device("cuda")
+    g = generator(request.node.nodeid, torch.device("cpu"))
+    lens = torch.randint(1, 4097, (64,), generator=g).tolist()
+    lens[0] = 4096
+    args = _case(
+        request.node.nodeid, dev, torch.bfloat16, lens, 32, 8, 128, page_size, max_ctx=4096
+    )
+    _check(args, torch.bfloat16, max_seq_len=max(lens))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"),
+    [(torch.float32, 128), (torch.float16, 128), (torch.bfloat16, 256), (torch.float32, 64)],
+)
+def test_decode_dtypes_head_dims_cuda(request, dtype, head_dim):
+    lens = [1, 700, 2000, 63]
+    args = _case(request.node.nodeid, torch.device("cuda"), dtype, lens, 16, 4, head_dim, 1)
+    _check(args, dtype, max_seq_len=max(lens))
