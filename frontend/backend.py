@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ class GenResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class Backend:
+class Backend(ABC):
     """Contract: `generate` continues a text prompt with SGLang sampling parameters;
     `generate_stream` yields results with the cumulative text (meta on the last one);
     `prompt_logprobs(prompt, start)` scores the prompt's own tokens from position `start`
@@ -31,11 +32,13 @@ class Backend:
 
     name = "backend"
 
+    @abstractmethod
     async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
-        raise NotImplementedError
+        """One continuation of `prompt`."""
 
+    @abstractmethod
     def generate_stream(self, prompt: str, params: dict[str, Any]) -> AsyncIterator[GenResult]:
-        raise NotImplementedError
+        """Cumulative results of one continuation; meta on the last."""
 
     async def prompt_logprobs(self, prompt: str, start: int) -> TokenLogprobs:
         raise BackendError(f"{self.name} cannot score prompts (no prompt logprobs)")
