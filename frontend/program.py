@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,6 +14,8 @@ from tqdm import tqdm
 from weft.frontend.api import SAMPLING_NAMES
 from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, as_backend
 from weft.frontend.state import PlannedRequest, ProgramState, RunContext
+
+WARM_MIN_CHARS = 32  # a shared batch prefix shorter than this is not sent ahead
 
 
 def _defaults(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +90,9 @@ class Program:
         be = as_backend(backend)
         defaults = _defaults(sampling)
         loop = asyncio.new_event_loop()
+        prefix = self._shared_prefix(be, batch_kwargs, sampling)
+        if prefix:  # computed once, so the radix cache serves it to every program
+            loop.run_until_complete(_warm(be, prefix))
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         contexts = []
         states = []
@@ -104,6 +110,25 @@ class Program:
         loop.run_until_complete(finish())
         return states
 
+    def _shared_prefix(
+        self, be: Backend, batch_kwargs: list[dict[str, Any]], sampling: dict[str, Any]
+    ) -> str:
+        """The text prompt that the first requests of all programs start with, if long enough
+        to be worth sending first ('' otherwise)."""
+        if len(batch_kwargs) < 2:
+            return ""
+        prompts = []
+        for kwargs in batch_kwargs:
+            try:
+                plan = self.trace(backend=be, **{**sampling, **kwargs})
+            except Exception:  # the real run reports it, on that program's state
+                return ""
+            if not plan or not isinstance(plan[0].prompt, str) or plan[0].kind == "chat":
+                return ""
+            prompts.append(plan[0].prompt)
+        common = os.path.commonprefix(prompts)  # noqa: RUF071 - characters are what we want
+        return common if len(common) >= WARM_MIN_CHARS else ""
+
     def trace(self, *args: Any, backend: Any = None, **kwargs: Any) -> Plan:
         """The requests a run would send, without a model: gens answer with a placeholder,
         selects pick the first choice. Pass `backend` to render roles with its chat template."""
@@ -119,6 +144,11 @@ class Program:
         takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
         fn = {k: v for k, v in kwargs.items() if takes_any or k in sig.parameters}
         return fn, {k: v for k, v in kwargs.items() if k not in fn}
+
+
+async def _warm(be: Backend, prefix: str) -> None:
+    with contextlib.suppress(Exception):  # only an optimisation: the programs still run
+        await be.generate(prefix, {"max_new_tokens": 0})
 
 
 async def _settle(ctx: RunContext) -> None:

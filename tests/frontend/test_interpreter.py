@@ -274,3 +274,20 @@ def test_run_batch_keeps_errors_on_their_states():
     assert states[0]["answer"] == "ok"
     with pytest.raises(ProgramError, match=r"gen\('answer'\) failed"):
         states[1].text()
+
+
+def test_run_batch_warms_a_shared_prefix_first():
+    system = "You are a careful assistant who answers in one word.\n"
+
+    @weft.function
+    def ask(s, question):
+        s += system + "Q: " + question + "\nA: " + weft.gen("answer", max_tokens=4)
+
+    be = FakeBackend(replies={"A: ": "ok"})
+    states = ask.run_batch([{"question": q} for q in ("one", "two", "three")], backend=be)
+    assert [s["answer"] for s in states] == ["ok"] * 3
+    assert be.calls[0] == ("generate", system + "Q: ", {"max_new_tokens": 0})
+    assert sorted(c[1] for c in be.calls[1:]) == sorted(
+        f"{system}Q: {q}\nA: " for q in ("one", "two", "three")
+    )
+    assert len(be.calls) == 4
