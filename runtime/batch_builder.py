@@ -37,7 +37,7 @@ def build_batch(
     for req, n in work:
         start = req.kv_len
         slots.append(memory.allocate(req, n))
-        ids.extend(req.fill_ids[start : start + n])
+        ids.extend(req.tokens(start, start + n))
         positions.extend(range(start, start + n))
         assert req.req_pool_idx is not None
         rows.append(req.req_pool_idx)

@@ -83,6 +83,13 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids (a decode step needs one token)."""
+        prompt = len(self.input_ids)
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        return self.input_ids[start:end] + self.output_ids[: max(end - prompt, 0)]
+
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

@@ -25,7 +25,7 @@ from weft.runtime.model_config import ModelConfig
 from weft.runtime.model_runner import ModelRunner, resolve_source
 from weft.runtime.results import request_output
 from weft.runtime.sampling_params import SamplingParams
-from weft.runtime.scheduler import ReqUpdate, Scheduler
+from weft.runtime.scheduler import Scheduler
 from weft.runtime.tokenizer import end_token_ids, load_tokenizer
 
 logger = logging.getLogger("weft")
@@ -43,6 +43,7 @@ class _Pending:
     error: BaseException | None = None
     # streaming: gets each chunk (built on the engine thread), then None at the end
     on_update: Callable[[dict[str, Any] | None], None] | None = None
+    final_only: bool = False  # only the last chunk of each sample (async_generate)
 
     @property
     def finished(self) -> bool:
@@ -178,7 +179,7 @@ class Engine:
             # NOTE: raises RuntimeError once the caller's loop is closed; _dispatch then aborts.
             loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
-        pending = self._submit(reqs[0], on_update)
+        pending = self._submit(reqs[0], on_update, final_only)
         try:
             while True:
                 chunk = await queue.get()
@@ -186,8 +187,6 @@ class Engine:
                     if pending.error is not None:
                         raise _failure(pending.error)
                     return
-                if final_only and chunk["meta_info"]["finish_reason"] is None:
-                    continue
                 yield chunk
         finally:
             if not pending.finished and pending.error is None:
@@ -330,9 +329,12 @@ class Engine:
     # ---- the engine thread -------------------------------------------------------------------
 
     def _submit(
-        self, req: Req, on_update: Callable[[dict[str, Any] | None], None] | None = None
+        self,
+        req: Req,
+        on_update: Callable[[dict[str, Any] | None], None] | None = None,
+        final_only: bool = False,
     ) -> _Pending:
-        pending = _Pending(n=req.params.n, on_update=on_update)
+        pending = _Pending(n=req.params.n, on_update=on_update, final_only=final_only)
         self._post("add", [(req, pending)])
         return pending
 
@@ -377,8 +379,8 @@ class Engine:
                     kind, payload = inbox.pop(0)
                     self._handle(kind, payload)
                 if self.scheduler.has_work:
-                    for update in self.scheduler.step():
-                        self._dispatch(update)
+                    for req in self.scheduler.step():
+                        self._dispatch(req)
             except BaseException as exc:
                 logger.exception("engine step failed")
                 with self._cv:
@@ -429,15 +431,16 @@ class Engine:
                 box["error"] = exc
             done.set()
 
-    def _dispatch(self, update: ReqUpdate) -> None:
-        key = update.req.group_rid or update.req.rid
+    def _dispatch(self, req: Req) -> None:
+        """Hand a request's progress to its caller (on the engine thread, right after a step)."""
+        key = req.group_rid or req.rid
         pending = self._pending.get(key)
         if pending is None:
             return
-        if pending.on_update is not None:
-            req = update.req
+        if pending.on_update is not None and (req.finished or not pending.final_only):
             chunk = request_output(req, self.tokenizer, key)
-            chunk["text"] = update.text  # without a held-back stop-string prefix
+            if req.decoder is not None:  # without a held-back stop-string prefix
+                chunk["text"] = req.decoder.text[: req.sent_len]
             if not self._notify(pending, chunk):
                 # the caller went away (its event loop closed): stop generating for it
                 del self._pending[key]

@@ -85,14 +85,12 @@ class OutputProcessor:
         if flush and req.decoder is not None:
             req.decoder.flush()
 
-    def text_delta(self, req: Req) -> str:
-        """New text to report; holds back a possible stop-string prefix until it is decided."""
+    def mark_reported(self, req: Req) -> None:
+        """Advance `sent_len`, the text a caller may see now: a possible stop-string prefix is
+        held back until it is decided."""
         if req.decoder is None:
-            return ""
-        text = req.decoder.text
-        end = len(text)
+            return
+        end = len(req.decoder.text)
         if not req.finished and req.params.stop:
             end = max(end - (max(len(s) for s in req.params.stop) - 1), req.sent_len)
-        delta = text[req.sent_len : end]
         req.sent_len = end
-        return delta

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,23 +35,6 @@ IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens wit
 # NOTE: internal rids (n > 1 children, the shared prompt) join the caller's rid with a character
 # that request ids in practice never contain, so they cannot collide with a caller's own rid.
 RID_SEP = "\x1f"
-
-
-@dataclass
-class ReqUpdate:
-    req: Req
-    text_delta: str
-    num_new_tokens: int
-    # snapshots: the Req itself keeps changing on the engine thread
-    finished: bool = False
-    text: str = ""  # text reported so far (a held-back stop-string prefix excluded)
-    num_output_ids: int = 0
-
-    def __post_init__(self) -> None:
-        self.finished = self.req.finished
-        decoder = self.req.decoder
-        self.text = decoder.text[: self.req.sent_len] if decoder is not None else ""
-        self.num_output_ids = len(self.req.output_ids)
 
 
 class Scheduler:
@@ -144,10 +126,11 @@ class Scheduler:
     # ---- the loop body --------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[ReqUpdate]:
-        updates = [
-            ReqUpdate(r, self.output.text_delta(r), 0) for r in self._reported if not r.hidden
-        ]
+    def step(self) -> list[Req]:
+        """One iteration; returns the (visible) requests that got a token or finished."""
+        updates = [r for r in self._reported if not r.hidden]
+        for req in updates:
+            self.output.mark_reported(req)
         self._reported = []
         work = self._schedule()
         if not work:
@@ -164,9 +147,9 @@ class Scheduler:
                 self.memory.release(req)
             elif plan.num_tokens > 1:
                 self.memory.cache_progress(req)  # others may share this prefill from now on
-            new = 1 if plan.sample_row is not None else 0
-            if not req.hidden and (new or req.finished):
-                updates.append(ReqUpdate(req, self.output.text_delta(req), new))
+            if not req.hidden and (plan.sample_row is not None or req.finished):
+                self.output.mark_reported(req)
+                updates.append(req)
         self.new_token_ratio = max(
             self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO
         )
@@ -255,6 +238,13 @@ class Scheduler:
 
     def _admit(self, budget: int, committed: int) -> list[tuple[Req, int]]:
         work: list[tuple[Req, int]] = []
+        if (
+            not self.waiting
+            or budget <= 0
+            or len(self.running) >= self.config.max_running_requests
+            or not self.memory.has_row()
+        ):
+            return work  # NOTE: nothing can be admitted: skip ordering (it walks the cache)
         self._order_waiting()
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:

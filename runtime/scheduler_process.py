@@ -22,7 +22,7 @@ from weft.runtime.messages import scheduler_to_detokenizer as to_detok
 from weft.runtime.messages import tokenizer_to_scheduler as from_tm
 from weft.runtime.messages.common import Fatal, ModelInfo, Ready, Reply
 from weft.runtime.model_runner import ModelRunner, ModelSource
-from weft.runtime.scheduler import ReqUpdate, Scheduler
+from weft.runtime.scheduler import Scheduler
 from weft.runtime.server_config import ServerConfig
 from weft.runtime.tokenizer import end_token_ids, load_tokenizer
 
@@ -172,8 +172,7 @@ class SchedulerService:
         starts, self._starts = self._starts, []
         return to_detok.Step(starts, updates)
 
-    def _token_update(self, update: ReqUpdate) -> to_detok.TokenUpdate:
-        req = update.req
+    def _token_update(self, req: Req) -> to_detok.TokenUpdate:
         progress = self._progress[req.rid]
         new_ids = req.output_ids[progress.ids_sent :]
         progress.ids_sent = len(req.output_ids)
