@@ -204,15 +204,8 @@ class Engine:
         return self.call(self.scheduler.memory_stats)
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests are running."""
-
-        def flush() -> bool:
-            if self.scheduler.running or self.scheduler.waiting:
-                return False
-            self.scheduler.memory.cache.reset()
-            return True
-
-        return self.call(flush)
+        """Drop the prefix cache; refused (False) while requests are queued or running."""
+        return bool(self.call(self.scheduler.flush_cache))
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread between steps and return its result."""

@@ -305,6 +305,13 @@ class Scheduler:
 
     # ---- audits ---------------------------------------------------------------------------
 
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests are queued or running."""
+        if self.has_work:
+            return False
+        self.memory.cache.reset()
+        return True
+
     def check_integrity(self) -> None:
         self.memory.check_integrity(self.running)
 

@@ -118,7 +118,7 @@ class SchedulerService:
         elif isinstance(msg, from_tm.GetServerInfo):
             return Reply(msg.query_id, self.server_info())
         elif isinstance(msg, from_tm.FlushCache):
-            return Reply(msg.query_id, {"flushed": self.flush_cache()})
+            return Reply(msg.query_id, {"flushed": self.scheduler.flush_cache()})
         return None
 
     def _add(self, r: from_tm.GenerateRequest) -> None:
@@ -223,14 +223,6 @@ class SchedulerService:
             "num_aborted": self.num_aborted,
             "radix_cache": s.memory.cache.enabled,
         }
-
-    def flush_cache(self) -> bool:
-        """Refused (False) while requests are queued or running, as in the Engine."""
-        s = self.scheduler
-        if s.running or s.waiting or s.has_work:
-            return False
-        s.memory.cache.reset()
-        return True
 
 
 def run_scheduler_process(

@@ -36,8 +36,6 @@ class TritonAttention(AttentionBackend):
             len(batch.extend_lens_cpu) + 1, dtype=ext.dtype, device=ext.device
         )
         torch.cumsum(ext, dim=0, out=self._qo_indptr[1:])
-        # as TorchAttention: the prefix is what precedes this step's tokens in the KV
-        self._prefix_lens = batch.seq_lens - ext
         self._max_extend_len = max(batch.extend_lens_cpu)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
@@ -73,7 +71,7 @@ class TritonAttention(AttentionBackend):
                 table,
                 batch.req_pool_indices,
                 self._qo_indptr,
-                self._prefix_lens,
+                batch.prefix_lens,
                 self._max_extend_len,
                 sm_scale,
             )  # [T, Hq, D]
