@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +68,7 @@ def _gguf_dtype(config: EngineConfig) -> torch.dtype:
 def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
         return _DTYPES[config.dtype]
-    stored = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        model.torch_dtype or "", torch.bfloat16
-    )
+    stored = _DTYPES.get(model.torch_dtype or "", torch.bfloat16)
     if device.type == "cpu" and stored == torch.float16:
         return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has the same storage cost
     return stored
@@ -101,8 +100,6 @@ class ModelRunner:
         self.context_length = max_ctx
         cfg = self.model_config
         if max_ctx > cfg.max_position_embeddings:
-            import dataclasses
-
             cfg = dataclasses.replace(cfg, max_position_embeddings=max_ctx)
         with torch.device(self.device):
             self.model = cls(cfg, self.dtype)
