@@ -10,7 +10,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from weft.runtime.model_config import ModelConfig
 
-# Special tokens that end a turn or a document in the model families we serve.
+# Special tokens that end a turn or a document in the model families we serve (a GGUF names
+# one eos id; its conversion adds the control tokens with these texts).
 END_TOKEN_TEXTS = frozenset(
     {
         "</s>",
@@ -21,6 +22,8 @@ END_TOKEN_TEXTS = frozenset(
         "<|eom_id|>",
         "<|end|>",
         "<end_of_turn>",
+        "<EOT>",
+        "<|return|>",
     }
 )
 

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from weft.runtime.tokenizer import END_TOKEN_TEXTS
+
 logger = logging.getLogger("weft")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -39,12 +41,6 @@ SHARD_BYTES = 2 * 1024**3
 _FORMAT_VERSION = 1
 _CHUNK_BYTES = 64 << 20
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-# Text of end-of-generation control tokens; a GGUF names only one eos id, but chat models also
-# stop on these (Qwen's <|endoftext|>, Llama-3's <|eot_id|>/<|end_of_text|>/<|eom_id|>).
-_END_TOKEN_TEXTS = frozenset(
-    {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>",
-     "<|end|>", "<end_of_turn>", "<EOT>", "<|return|>"}
-)  # fmt: skip
 _TOKEN_TYPE_CONTROL = 3
 
 # GGUF per-layer tensor name -> HF name under model.layers.{i}.
@@ -295,7 +291,7 @@ def _end_token_ids(reader: gguf.GGUFReader, src: Path) -> list[int]:
     for i, idx in enumerate(tokens.data):
         if type_list is not None and type_list[i] != _TOKEN_TYPE_CONTROL:
             continue
-        if bytes(tokens.parts[idx]).decode("utf-8", "replace") in _END_TOKEN_TEXTS and i not in ids:
+        if bytes(tokens.parts[idx]).decode("utf-8", "replace") in END_TOKEN_TEXTS and i not in ids:
             ids.append(i)
     return ids
 
