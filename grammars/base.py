@@ -1,0 +1,92 @@
+"""The interface every grammar backend implements.
+
+A backend compiles a `GrammarSpec` once (the result is cached and shared); each request gets its
+own `Matcher` over the compiled grammar. The matcher writes the allowed tokens of the next
+position into one row of an int32 bitmask `[batch, ceil(vocab / 32)]` (bit set = allowed; the
+layout xgrammar, llguidance and outlines-core share).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from weft.grammars.spec import GrammarSpec
+from weft.grammars.vocab import TokenVocab
+
+
+class GrammarUnsupported(Exception):
+    """This backend cannot serve this spec (a feature it lacks): the next backend may."""
+
+
+class Matcher(ABC):
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into bitmask[row] (CPU int32)."""
+
+    @abstractmethod
+    def can_end(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Whether the output may end here (called right after fill_bitmask on that row)."""
+
+    @abstractmethod
+    def accept(self, token: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) if the grammar forbids it."""
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar has ended (an end token was accepted, or nothing can follow)."""
+
+    def jump_forward(self) -> bytes:
+        """The bytes the grammar forces next (b"" when there is a choice)."""
+        return b""
+
+
+class GrammarBackend(ABC):
+    name: str
+
+    def __init__(self, vocab: TokenVocab) -> None:
+        self.vocab = vocab
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec) -> Any:
+        """-> the compiled grammar. Raises InvalidSpec (the spec is wrong) or
+        GrammarUnsupported (this backend cannot do it)."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> Matcher:
+        """A fresh matcher at the start of the grammar."""
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+
+
+def set_bits(bitmask: torch.Tensor, row: int, ids: list[int], allowed: bool) -> None:
+    """Set (allowed) or clear the bits of `ids` in bitmask[row] (a CPU tensor)."""
+    for tid in ids:
+        word, bit = divmod(tid, 32)
+        value = int(bitmask[row, word]) & 0xFFFFFFFF
+        value = value | (1 << bit) if allowed else value & ~(1 << bit)
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def bit_is_set(bitmask: torch.Tensor, row: int, tid: int) -> bool:
+    word, bit = divmod(tid, 32)
+    return bool((int(bitmask[row, word]) >> bit) & 1)
+
+
+def allowed_ids(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
+    """The token ids whose bit is set (for tests and debugging)."""
+    words = bitmask[row].to(torch.int64) & 0xFFFFFFFF
+    bits = (words[:, None] >> torch.arange(32)) & 1
+    return [int(i) for i in torch.nonzero(bits.flatten()[:vocab_size])[:, 0]]

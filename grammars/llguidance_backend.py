@@ -1,0 +1,150 @@
+"""llguidance: JSON schema, regex, EBNF (GBNF through Lark), choices, structural tags without
+free text. Compiles in milliseconds (an Earley parser over a lexer, nothing precomputed)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
+from weft.grammars.ebnf import choices_lark, ebnf_literal
+from weft.grammars.spec import GrammarSpec
+from weft.grammars.vocab import TokenVocab
+
+try:
+    from llguidance.gbnf_to_lark import gbnf_to_lark as _gbnf_to_lark
+except ImportError:  # pragma: no cover - the backend is then unavailable anyway
+    _gbnf_to_lark = None  # type: ignore[assignment]
+
+# Compact JSON (", " and ": "), as the other backends produce it: a small model offered free
+# whitespace tends to spend tokens on it.
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+# llguidance spells a forced special token as 0xFF "[id]" in forced bytes
+_TOKEN_REF = re.compile(rb"\xff\[(\d+)\]")
+
+
+class LLGuidanceMatcher(Matcher):
+    def __init__(self, matcher: Any, vocab: TokenVocab) -> None:
+        self.inner = matcher
+        self.vocab = vocab
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        # NOTE: a fresh view per row: the row pointer and its size in bytes
+        target = bitmask[row]
+        self.inner.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+
+    def can_end(self, bitmask: torch.Tensor, row: int) -> bool:
+        return bool(self.inner.is_accepting())
+
+    def accept(self, token: int) -> bool:
+        # NOTE: consume_token on a forbidden token puts the matcher in a permanent error state
+        return bool(self.inner.try_consume_tokens([token]) == 1)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.inner.rollback(n)
+
+    def is_terminated(self) -> bool:
+        return bool(self.inner.is_stopped())
+
+    def jump_forward(self) -> bytes:
+        parts = _TOKEN_REF.split(bytes(self.inner.compute_ff_bytes()))
+        out = parts[0]
+        for ref, text in zip(parts[1::2], parts[2::2], strict=True):  # text, id, text, id, ...
+            token = self.vocab.token_bytes[int(ref)]
+            if token is None:
+                break  # a control token: the forced text stops before it
+            out += token + text
+        return out
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, vocab: TokenVocab) -> None:
+        super().__init__(vocab)
+        import llguidance
+
+        self.llg = llguidance
+        if vocab.tokenizer is None or not hasattr(vocab.tokenizer, "backend_tokenizer"):
+            raise GrammarUnsupported("llguidance needs a fast (tokenizers) tokenizer")
+        backend = vocab.tokenizer.backend_tokenizer
+        # NOTE: llguidance reads tokenizer.json itself (byte-level and SentencePiece alike)
+        self.tokenizer = llguidance.LLTokenizer(
+            backend.to_str(), n_vocab=vocab.size, eos_token=list(vocab.end_ids)
+        )
+        # NOTE: llguidance reads every added token as special: text that spells one (Qwen's
+        # "<tool_call>") must name the token in a grammar, not its characters.
+        self.added_texts = {
+            t.content: tid
+            for tid, t in vocab.tokenizer.added_tokens_decoder.items()
+            if not t.special and tid < vocab.size
+        }
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        grammar = self._grammar(spec)
+        ok, messages = self.llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if ok:  # NOTE: the first value is is_error
+            raise GrammarUnsupported(messages[0][:500] if messages else "invalid grammar")
+        return grammar
+
+    def _grammar(self, spec: GrammarSpec) -> str:
+        M = self.llg.LLMatcher
+        try:
+            if spec.kind in ("json_schema", "json_object"):
+                return str(M.grammar_from_json_schema(spec.text, overrides=JSON_OPTIONS))
+            if spec.kind == "regex":
+                return str(M.grammar_from_regex(spec.text))
+            if spec.kind == "ebnf":
+                if _gbnf_to_lark is None:
+                    raise GrammarUnsupported("this llguidance has no GBNF reader")
+                return str(M.grammar_from_lark(_gbnf_to_lark(spec.text)))
+            if spec.kind == "choices":
+                return str(M.grammar_from_lark(choices_lark(spec.value)))
+            if spec.kind == "structural_tag":
+                return str(M.grammar_from_lark(self._structural_lark(spec.value)))
+        except (ValueError, RuntimeError) as exc:
+            raise GrammarUnsupported(str(exc).splitlines()[0][:500]) from None
+        raise GrammarUnsupported(f"llguidance does not compile {spec.kind}")
+
+    def matcher(self, compiled: Any) -> Matcher:
+        matcher = self.llg.LLMatcher(self.tokenizer, compiled, log_level=0)
+        if matcher.is_error():
+            raise GrammarUnsupported(matcher.get_error()[:500])
+        return LLGuidanceMatcher(matcher, self.vocab)
+
+    def _lark_text(self, text: str) -> str:
+        """A Lark sequence spelling `text`, with added tokens as token references."""
+        parts: list[str] = []
+        rest = text
+        while rest:
+            hits = [(rest.find(t), t) for t in self.added_texts if t in rest]
+            if not hits:
+                parts.append(ebnf_literal(rest))
+                break
+            at, token = min(hits)
+            if at:
+                parts.append(ebnf_literal(rest[:at]))
+            parts.append(f"<[{self.added_texts[token]}]>")
+            rest = rest[at + len(token) :]
+        return " ".join(parts) if parts else '""'
+
+    def _structural_lark(self, tag: dict[str, Any]) -> str:
+        if tag["free_text"]:
+            raise GrammarUnsupported(
+                "llguidance: free text around structures is not supported here"
+            )
+        calls = []
+        for i, s in enumerate(tag["structures"]):
+            begin, end = self._lark_text(s["begin"]), self._lark_text(s["end"])
+            calls.append(f"call_{i}: {begin} %json {json.dumps(s['schema'])} {end}")
+        alternatives = " | ".join(f"call_{i}" for i in range(len(calls)))
+        sep = self._lark_text(tag["separator"])
+        body = f"call ({sep} call)*" if tag["repeat"] else "call"
+        start = f"start: {body}" if tag["at_least_one"] else f"start: ({body})?"
+        return "\n".join([start, f"call: {alternatives}", *calls])

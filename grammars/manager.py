@@ -1,0 +1,258 @@
+"""Compiling specs through a chain of backends, off the scheduler's loop, with a cache.
+
+`GrammarManager.submit(spec)` returns a future at once; a worker tries the backends in order
+(default xgrammar -> llguidance -> outlines): a backend that refuses the spec or runs past the
+compile timeout passes it to the next, and the first that compiles it serves the request. The
+scheduler polls the future between steps, so a request waiting for its grammar holds up nobody.
+Compiled grammars are cached by (backend, kind, spec text) per vocabulary; the manager itself
+belongs to one model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, set_bits
+from weft.grammars.spec import GrammarSpec
+from weft.grammars.vocab import TokenVocab
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ORDER = ("xgrammar", "llguidance", "outlines")
+CACHE_ENTRIES = 1024
+COMPILE_WORKERS = 4
+
+
+def backend_classes() -> dict[str, Callable[[TokenVocab], GrammarBackend]]:
+    from weft.grammars.llguidance_backend import LLGuidanceBackend
+    from weft.grammars.no_grammar import NoGrammarBackend
+    from weft.grammars.outlines_backend import OutlinesBackend
+    from weft.grammars.xgrammar_backend import XGrammarBackend
+
+    return {
+        "xgrammar": XGrammarBackend,
+        "llguidance": LLGuidanceBackend,
+        "outlines": OutlinesBackend,
+        "none": NoGrammarBackend,
+    }
+
+
+class DaemonPool:
+    """A thread pool whose threads never delay the process's exit.
+
+    NOTE: concurrent.futures' pool joins its threads at exit, and a grammar compile that hangs
+    in native code (the reason for the timeout) would then hang the exit forever.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[
+            tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
+        ]
+        self._jobs = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+class GrammarError(Exception):
+    """No backend could compile the spec: the request fails with this message (a 400)."""
+
+
+@dataclass
+class Compiled:
+    backend: GrammarBackend
+    grammar: Any
+    spec: GrammarSpec
+    compile_s: float
+    refused: list[str] = field(default_factory=list)  # why earlier backends passed it on
+
+
+class RequestGrammar:
+    """One request's matcher, plus weft's handling of end tokens (every backend sees the same
+    end tokens: allowed exactly where the grammar may end; accepting one ends the grammar)."""
+
+    def __init__(self, compiled: Compiled, end_ids: Sequence[int]) -> None:
+        self.compiled = compiled
+        self.matcher: Matcher = compiled.backend.matcher(compiled.grammar)
+        self.end_ids = list(end_ids)
+        self.ended = False
+        self.jump_forward_tokens = 0  # tokens appended without their own forward step
+
+    @property
+    def backend_name(self) -> str:
+        return self.compiled.backend.name
+
+    def finish_fill(self, bitmask: torch.Tensor, row: int) -> None:
+        can_end = self.matcher.can_end(bitmask, row)
+        set_bits(bitmask, row, self.end_ids, can_end)
+
+    def accept(self, token: int) -> bool:
+        if token in self.end_ids:
+            self.ended = True
+            return True
+        return self.matcher.accept(token)
+
+    def rollback(self, n: int) -> None:
+        self.matcher.rollback(n)
+
+    def jump_forward(self) -> bytes:
+        return b"" if self.ended else self.matcher.jump_forward()
+
+
+class GrammarManager:
+    def __init__(
+        self,
+        vocab_factory: Callable[[], TokenVocab],
+        order: Sequence[str] = DEFAULT_ORDER,
+        timeout_s: float = 30.0,
+        workers: int = COMPILE_WORKERS,
+    ) -> None:
+        known = backend_classes()
+        unknown = [name for name in order if name not in known]
+        if unknown or not order:
+            raise ValueError(
+                f"unknown grammar backend(s) {unknown} (known: {', '.join(known)})"
+                if unknown
+                else "the grammar backend order is empty"
+            )
+        self.order = list(order)
+        self.timeout_s = timeout_s
+        self._vocab_factory = vocab_factory
+        self._vocab: TokenVocab | None = None
+        self._backends: dict[str, GrammarBackend | Exception] = {}
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+        self._inflight: dict[tuple[str, str, str], Future[Any]] = {}
+        # NOTE: two pools: chain workers wait on compile workers with a timeout; a compile that
+        # runs past it keeps its compile worker busy until it ends (native code cannot be
+        # interrupted), so there are more compile workers than one stuck grammar can take.
+        self._chains = DaemonPool(workers, "weft-grammar-chain")
+        self._compiles = DaemonPool(workers * 2, "weft-grammar")
+
+    @property
+    def vocab(self) -> TokenVocab:
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = self._vocab_factory()
+            return self._vocab
+
+    def submit(self, spec: GrammarSpec) -> Future[Compiled]:
+        return self._chains.submit(self.compile, spec)
+
+    def compile(self, spec: GrammarSpec) -> Compiled:
+        """Through the chain, blocking (the workers run this)."""
+        refused: list[str] = []
+        for name in self.order:
+            backend = self._backend(name)
+            if isinstance(backend, Exception):
+                refused.append(f"{name}: unavailable ({backend})")
+                continue
+            start = time.perf_counter()
+            try:
+                grammar = self._compile_cached(backend, spec)
+            except GrammarUnsupported as exc:
+                refused.append(f"{name}: {exc}")
+                continue
+            except FutureTimeout:
+                refused.append(f"{name}: compile timed out after {self.timeout_s:g} s")
+                logger.warning("grammar compile timed out on %s: %s", name, spec.describe())
+                continue
+            return Compiled(backend, grammar, spec, time.perf_counter() - start, refused)
+        raise GrammarError(f"cannot compile the {spec.kind}: " + "; ".join(refused))
+
+    def _compile_cached(self, backend: GrammarBackend, spec: GrammarSpec) -> Any:
+        key = (backend.name, spec.kind, spec.text)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                result = self._cache[key]
+                if isinstance(result, GrammarUnsupported):
+                    raise result
+                return result
+            future = self._inflight.get(key)
+            if future is None:
+                future = self._compiles.submit(backend.compile, spec)
+                self._inflight[key] = future
+                future.add_done_callback(functools.partial(self._store, key))
+        return future.result(timeout=self.timeout_s)
+
+    def _store(self, key: tuple[str, str, str], future: Future[Any]) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+            exc = future.exception()
+            if exc is None or isinstance(exc, GrammarUnsupported):
+                self._cache[key] = future.result() if exc is None else exc
+                while len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+
+    def _backend(self, name: str) -> GrammarBackend | Exception:
+        vocab = self.vocab
+        with self._lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                try:
+                    backend = backend_classes()[name](vocab)
+                except Exception as exc:  # a missing package or a tokenizer it cannot read
+                    logger.warning("grammar backend %s is unavailable: %s", name, exc)
+                    backend = exc
+                self._backends[name] = backend
+            return backend
+
+    def fill(self, grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill the given rows of a CPU int32 bitmask, batched per backend where it can."""
+        by_backend: dict[str, list[int]] = {}
+        for i, grammar in enumerate(grammars):
+            by_backend.setdefault(grammar.backend_name, []).append(i)
+        for members in by_backend.values():
+            backend = grammars[members[0]].compiled.backend
+            fill_many = getattr(backend, "fill_many", None)
+            if fill_many is not None and len(members) > 1:
+                fill_many(
+                    [grammars[i].matcher for i in members], bitmask, [rows[i] for i in members]
+                )
+            else:
+                for i in members:
+                    grammars[i].matcher.fill_bitmask(bitmask, rows[i])
+        for grammar, row in zip(grammars, rows, strict=True):
+            grammar.finish_fill(bitmask, row)
+
+    def shutdown(self) -> None:
+        self._chains.shutdown()
+        self._compiles.shutdown()

@@ -1,0 +1,268 @@
+"""Each grammar backend on the real Qwen2 vocabulary: masks allow exactly the tokens that keep
+the output in the language, end tokens only where it may end; the fallback chain, the compile
+timeout and the cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from weft.grammars.base import allocate_bitmask, allowed_ids, bit_is_set
+from weft.grammars.manager import GrammarError, GrammarManager, RequestGrammar
+from weft.grammars.spec import InvalidSpec, choices_spec, parse_spec
+
+from .conftest import QWEN_END_IDS, QWEN_VOCAB
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TOOL_TAG = {
+    "structures": [
+        {
+            "begin": '<tool_call>\n{"name": "get_weather", "arguments": ',
+            "schema": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+            "end": "}\n</tool_call>",
+        }
+    ],
+    "triggers": ["<tool_call>"],
+    "free_text": False,
+    "at_least_one": True,
+}
+# (spec, an output in the language, an output that leaves it)
+CASES = {
+    "json_schema": (
+        parse_spec("json_schema", json.dumps(SCHEMA)),
+        '{"name": "Ann", "age": 31, "tags": ["b"]}',
+        '{"name": "Ann", "age": 1, "tags": ["c"]}',
+    ),
+    "regex": (parse_spec("regex", r"(yes|no)-[0-9]{2}"), "no-42", "maybe"),
+    "ebnf": (
+        parse_spec("ebnf", 'root ::= "(" digits ")" \ndigits ::= [0-9]+'),
+        "(1234)",
+        "(12a",
+    ),
+    "choices": (choices_spec(["red apple", "green (pear)"]), "green (pear)", "blue"),
+    "structural_tag": (
+        parse_spec("structural_tag", json.dumps(TOOL_TAG)),
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_time"',
+    ),
+}
+SUPPORTED = {
+    "xgrammar": set(CASES),
+    "llguidance": set(CASES),
+    "outlines": set(CASES) - {"ebnf"},
+}
+
+
+@pytest.fixture(scope="module")
+def managers(qwen_vocab):
+    made = {name: GrammarManager(lambda: qwen_vocab, order=[name]) for name in SUPPORTED}
+    yield made
+    for manager in made.values():
+        manager.shutdown()
+
+
+def _walk(manager, grammar, tokenizer, text):
+    """Feed `text` token by token; return the index of the first token the mask forbids, or
+    None if all pass. Checks end tokens: forbidden before the end of a complete output."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bitmask = allocate_bitmask(1, QWEN_VOCAB)
+    for i, tid in enumerate(ids):
+        manager.fill([grammar], bitmask, [0])
+        if not bit_is_set(bitmask, 0, tid):
+            return i
+        assert grammar.accept(tid)
+    manager.fill([grammar], bitmask, [0])
+    return None if bit_is_set(bitmask, 0, QWEN_END_IDS[0]) else len(ids)
+
+
+@pytest.mark.parametrize("backend", list(SUPPORTED))
+@pytest.mark.parametrize("kind", list(CASES))
+def test_masks_follow_the_grammar(managers, qwen_tokenizer, backend, kind):
+    spec, good, bad = CASES[kind]
+    manager = managers[backend]
+    if kind not in SUPPORTED[backend]:
+        with pytest.raises(GrammarError, match="cannot compile"):
+            manager.compile(spec)
+        return
+    compiled = manager.compile(spec)
+    assert compiled.backend.name == backend
+    grammar = RequestGrammar(compiled, QWEN_END_IDS)
+    assert _walk(manager, grammar, qwen_tokenizer, good) is None
+    assert grammar.accept(QWEN_END_IDS[0]) and grammar.ended
+    # the bad output is refused at some token (before its end)
+    fresh = RequestGrammar(compiled, QWEN_END_IDS)
+    stop = _walk(manager, fresh, qwen_tokenizer, bad)
+    assert stop is not None and stop < len(qwen_tokenizer.encode(bad, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("backend", list(SUPPORTED))
+def test_end_tokens_only_where_the_grammar_may_end(managers, backend):
+    manager = managers[backend]
+    grammar = RequestGrammar(manager.compile(CASES["regex"][0]), QWEN_END_IDS)
+    bitmask = allocate_bitmask(1, QWEN_VOCAB)
+    manager.fill([grammar], bitmask, [0])
+    assert not any(bit_is_set(bitmask, 0, e) for e in QWEN_END_IDS)
+    for tid in _ids(manager, "yes-07"):
+        assert grammar.accept(tid)
+    manager.fill([grammar], bitmask, [0])
+    assert allowed_ids(bitmask, 0, QWEN_VOCAB) == QWEN_END_IDS  # complete: only the end
+
+
+def _ids(manager, text):
+    return manager.vocab.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
+def test_rollback_restores_the_mask(managers, backend):
+    manager = managers[backend]
+    grammar = RequestGrammar(manager.compile(CASES["json_schema"][0]), QWEN_END_IDS)
+    bitmask = allocate_bitmask(2, QWEN_VOCAB)
+    ids = _ids(manager, '{"name": "Ann", "age": 3')
+    for tid in ids[:3]:
+        assert grammar.accept(tid)
+    manager.fill([grammar], bitmask, [0])
+    for tid in ids[3:]:
+        assert grammar.accept(tid)
+    grammar.rollback(len(ids) - 3)
+    manager.fill([grammar], bitmask, [1])
+    assert bool((bitmask[0] == bitmask[1]).all())
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_jump_forward_returns_the_forced_text(managers, backend):
+    manager = managers[backend]
+    grammar = RequestGrammar(manager.compile(CASES["structural_tag"][0]), QWEN_END_IDS)
+    forced = grammar.jump_forward()
+    # nothing is free before the arguments object: the whole begin string is forced
+    assert forced.startswith(b'<tool_call>\n{"name": "get_weather", "arguments": {')
+    for tid in _ids(manager, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}'):
+        assert grammar.accept(tid)
+    assert grammar.jump_forward() == b"}\n</tool_call>"
+
+
+def test_chain_falls_back_and_says_why(qwen_vocab):
+    ebnf = CASES["ebnf"][0]
+    manager = GrammarManager(lambda: qwen_vocab, order=["outlines", "llguidance"])
+    try:
+        compiled = manager.submit(ebnf).result(timeout=60)
+    finally:
+        manager.shutdown()
+    assert compiled.backend.name == "llguidance"
+    assert compiled.refused == [
+        "outlines: outlines-core cannot compile EBNF (context-free) grammars"
+    ]
+
+
+def test_compile_timeout_passes_the_spec_on(qwen_vocab):
+    # outlines-core builds a token automaton for a long regex in seconds; 20 ms is too little
+    spec = parse_spec(
+        "regex", "(" + "|".join(f"item-{i:04d}-[a-z]{{3,9}}" for i in range(400)) + ")"
+    )
+    manager = GrammarManager(lambda: qwen_vocab, order=["outlines", "llguidance"], timeout_s=0.1)
+    try:
+        for name in manager.order:  # built outside the timed compiles
+            manager._backend(name)
+        compiled = manager.submit(spec).result(timeout=120)
+    finally:
+        manager.shutdown()
+    # llguidance compiles lazily (an Earley parser): milliseconds for the same regex
+    assert compiled.backend.name == "llguidance"
+    assert compiled.refused == ["outlines: compile timed out after 0.1 s"]
+
+
+def test_every_backend_refusing_is_one_error_naming_each(qwen_vocab):
+    manager = GrammarManager(lambda: qwen_vocab, order=["xgrammar", "llguidance", "outlines"])
+    try:
+        with pytest.raises(GrammarError) as err:
+            manager.compile(parse_spec("regex", "(unclosed"))
+    finally:
+        manager.shutdown()
+    message = str(err.value)
+    assert message.startswith("cannot compile the regex: xgrammar: ")
+    assert "; llguidance: " in message and "; outlines: " in message
+
+
+def test_compiled_grammars_are_cached(managers):
+    manager = managers["xgrammar"]
+    spec = parse_spec(
+        "json_schema", json.dumps({"type": "object", "properties": {"k": {"type": "string"}}})
+    )
+    first = manager.compile(spec)
+    start = time.perf_counter()
+    second = manager.compile(spec)
+    assert second.grammar is first.grammar
+    assert time.perf_counter() - start < 0.05
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "message"),
+    [
+        ("json_schema", "{not json", "json_schema is not valid JSON"),
+        ("json_schema", '{"type": "strange"}', "json_schema is not a valid JSON schema"),
+        ("json_schema", "[1, 2]", "json_schema must be a JSON object"),
+        ("json_schema", '{"items":' * 70 + "{}" + "}" * 70, "nested too deeply"),
+        ("structural_tag", '{"structures": []}', "structures must be a non-empty list"),
+        ("regex", "   ", "regex is empty"),
+    ],
+)
+def test_bad_specs_name_the_problem(field, text, message):
+    with pytest.raises(InvalidSpec, match=message):
+        parse_spec(field, text)
+
+
+def test_spec_keeps_property_order():
+    # generation follows the schema's property order: canonical text must not sort keys
+    spec = parse_spec("json_schema", '{"properties": {"zeta": {}, "alpha": {}}}')
+    assert spec.text.index("zeta") < spec.text.index("alpha")
+
+
+def test_sentencepiece_vocab_through_every_backend(stories_tokenizer):
+    from weft.grammars.vocab import TokenVocab
+
+    vocab = TokenVocab.from_tokenizer(stories_tokenizer, 512, [2])
+    spec = parse_spec("regex", r" Once upon a (time|day)\.")
+    for name in ("xgrammar", "llguidance", "outlines"):
+        manager = GrammarManager(lambda: vocab, order=[name])
+        try:
+            grammar = RequestGrammar(manager.compile(spec), [2])
+            bitmask = allocate_bitmask(1, 512)
+            ids = stories_tokenizer.encode("Once upon a day.", add_special_tokens=False)
+            for tid in ids:
+                manager.fill([grammar], bitmask, [0])
+                assert bit_is_set(bitmask, 0, tid), (name, tid)
+                assert grammar.accept(tid)
+            manager.fill([grammar], bitmask, [0])
+            assert allowed_ids(bitmask, 0, 512) == [2], name
+        finally:
+            manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("backend", "schema", "keyword"),
+    [
+        ("outlines", {"type": "integer", "minimum": 5}, "minimum"),
+        ("outlines", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+        ("xgrammar", {"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ("xgrammar", {"allOf": [{"required": ["a"]}, {"required": ["b"]}]}, "allOf"),
+    ],
+)
+def test_backends_refuse_keywords_they_would_not_enforce(managers, backend, schema, keyword):
+    # measured: these backends compile the keyword but let violating instances through
+    with pytest.raises(GrammarError, match=f"does not enforce {keyword}"):
+        managers[backend].compile(parse_spec("json_schema", json.dumps(schema)))
