@@ -59,6 +59,19 @@ class EngineConfig:
             choices=ATTENTION_BACKENDS,
         ),
     )
+    grammar_backend: str = field(
+        default="xgrammar,llguidance,outlines",
+        metadata=_help(
+            "grammar backends in fallback order, comma-separated (xgrammar, llguidance, "
+            "outlines; none = no grammar, a benchmark baseline)"
+        ),
+    )
+    grammar_compile_timeout: float = field(
+        default=30.0, metadata=_help("seconds a backend may compile one grammar")
+    )
+    disable_jump_forward: bool = field(
+        default=False, metadata=_help("do not append grammar-forced text without a forward step")
+    )
     random_seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     cache_dir: str | None = field(
         default=None, metadata=_help("where converted GGUF models live (default ~/.cache/weft)")
@@ -83,8 +96,23 @@ class EngineConfig:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
             )
+        order = self.grammar_backends
+        known = ("xgrammar", "llguidance", "outlines", "none")
+        if not order or any(name not in known for name in order):
+            raise ValueError(
+                f"grammar_backend must list backends from {', '.join(known)}; "
+                f"got {self.grammar_backend!r}"
+            )
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}"
+            )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
+
+    @property
+    def grammar_backends(self) -> list[str]:
+        return [name.strip() for name in self.grammar_backend.split(",") if name.strip()]
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

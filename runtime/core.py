@@ -26,6 +26,7 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string that matched
     message: str | None = None  # why an abort happened
+    status: int | None = None  # an abort that is the request's fault: the HTTP status (400)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
@@ -33,6 +34,8 @@ class FinishReason:
             out["matched"] = self.matched
         if self.message is not None:
             out["message"] = self.message
+        if self.status is not None:
+            out["status_code"] = self.status
         return out
 
 
@@ -67,6 +70,9 @@ class Req:
     group_rid: str | None = None  # n > 1: the rid the caller knows; index = which sample
     index: int = 0
     generator: torch.Generator | None = None
+    # constrained decoding: the spec's compile job, then the request's matcher
+    grammar_future: Any = None
+    grammar: Any = None  # weft.grammars.manager.RequestGrammar
     # logprobs: per prompt position from start_len, and per output token
     input_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] = field(
         default_factory=list
@@ -78,6 +84,15 @@ class Req:
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    def grammar_meta(self) -> dict[str, Any]:
+        """What meta_info reports of constrained decoding (empty for unconstrained requests)."""
+        if self.grammar is None:
+            return {}
+        return {
+            "grammar_backend": self.grammar.backend_name,
+            "jump_forward_tokens": self.grammar.jump_forward_tokens,
+        }
 
     @property
     def fill_ids(self) -> list[int]:

@@ -479,6 +479,9 @@ class Engine:
     def _collect(self, pending: _Pending) -> list[dict[str, Any]]:
         if pending.error is not None:
             raise _failure(pending.error)
+        for r in pending.reqs:
+            if r.finish is not None and r.finish.status is not None:
+                raise ValueError(r.finish.message)  # the request's own fault (a bad grammar)
         return [
             request_output(r, self.tokenizer, r.group_rid or r.rid)
             for r in sorted(pending.reqs, key=lambda r: r.index)

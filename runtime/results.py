@@ -19,6 +19,7 @@ def request_output(req: Req, tokenizer: PreTrainedTokenizerBase | None, rid: str
         "cached_tokens": req.cached_tokens,
         "finish_reason": req.finish.to_dict() if req.finish else None,
         "e2e_latency": (end - req.created) if end is not None else None,
+        **req.grammar_meta(),
     }
     if req.logprob is not None:
         meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid, _ in req.output_logprobs]

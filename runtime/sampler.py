@@ -20,12 +20,20 @@ class Sampled:
     top: list[list[tuple[float, int]]] | None  # per row, the top alternatives asked for
 
 
-def sample(logits: torch.Tensor, reqs: list[Req], end_ids: frozenset[int]) -> Sampled:
-    """logits: [B, V] float32, one row per request in `reqs` (rows may be modified)."""
+def sample(
+    logits: torch.Tensor,
+    reqs: list[Req],
+    end_ids: frozenset[int],
+    bitmask: tuple[torch.Tensor, list[int]] | None = None,
+) -> Sampled:
+    """logits: [B, V] float32, one row per request in `reqs` (rows may be modified).
+    bitmask: (int32 [B, ceil(V/32)], the rows it constrains) for grammar-constrained requests."""
     want_logprobs = any(r.logprob is not None for r in reqs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     _apply_penalties(logits, reqs)
     _block_early_stop(logits, reqs, end_ids)
+    if bitmask is not None:
+        apply_bitmask(logits, *bitmask)
 
     chosen = torch.argmax(logits, dim=-1)  # greedy rows are done here
     sampled_rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
@@ -44,6 +52,26 @@ def sample(logits: torch.Tensor, reqs: list[Req], end_ids: frozenset[int]) -> Sa
         for i, r in enumerate(reqs)
     ]
     return Sampled(ids, picked, top)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [R, W] -> bool [R, vocab_size] (bit j of word w = token 32 * w + j)."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    bits = (words[:, :, None] >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Forbid what the grammar forbids in the constrained rows. A row whose allowed tokens were
+    all blocked otherwise (min_new_tokens against a grammar that can only end) keeps the
+    grammar's tokens: the grammar wins."""
+    index = torch.tensor(rows, device=logits.device)
+    allowed = unpack_bitmask(bitmask[index], logits.shape[-1])
+    masked = logits[index].masked_fill(~allowed, float("-inf"))
+    stuck = torch.isneginf(masked).all(dim=-1)
+    if bool(stuck.any()):
+        masked[stuck] = torch.where(allowed[stuck], 0.0, float("-inf"))
+    logits[index] = masked
 
 
 def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[float, int]]:

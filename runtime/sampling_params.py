@@ -11,6 +11,7 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
 MAX_N = 128  # samples per request (OpenAI's cap)
 MAX_SEED = 2**63 - 1 - MAX_N  # seeds of the n samples are seed .. seed + n - 1
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -32,6 +33,11 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
+    # constrained decoding: at most one of these (see weft.grammars)
+    regex: str | None = None
+    json_schema: str | None = None  # JSON text of a JSON schema
+    ebnf: str | None = None
+    structural_tag: str | None = None  # JSON text, see weft.grammars.spec
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +65,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         # NOTE: a temperature this small overflows logits / temperature; it means greedy anyway
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field, spec text) of the output constraint, if any."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -98,6 +113,18 @@ class SamplingParams:
                     f"stop_token_ids entry {tid} is outside the vocabulary ({vocab_size})"
                 )
         _int("n", self.n, low=1, high=MAX_N)
+        constraints = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        for name in constraints:
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(
+                    f"{name} must be a string, got {type(getattr(self, name)).__name__}"
+                )
+        if len(constraints) > 1:
+            raise ValueError(f"only one constraint may be given, got {', '.join(constraints)}")
+        if constraints:
+            from weft.grammars.spec import parse_spec  # NOTE: imports jsonschema: only when used
+
+            parse_spec(constraints[0], getattr(self, constraints[0]))
         if self.seed is not None:
             _int("seed", self.seed, low=0, high=MAX_SEED)
         for name in (

@@ -8,6 +8,7 @@ to the prefix cache and it waits to resume (recomputing only what the cache lost
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import math
@@ -16,6 +17,10 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from weft.grammars.base import allocate_bitmask
+from weft.grammars.manager import GrammarManager, RequestGrammar
+from weft.grammars.spec import InvalidSpec, parse_spec
+from weft.grammars.vocab import TokenVocab
 from weft.runtime.batch_builder import RowPlan, build_batch
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import FinishReason, Req
@@ -52,7 +57,11 @@ class Scheduler:
         )
         self.max_seq_len = min(runner.context_length, runner.kv_pool.size)
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
+        self.tokenizer = tokenizer
         self.end_ids = end_ids
+        self._grammars: GrammarManager | None = None
+        self._bitmask: torch.Tensor | None = None  # CPU rows filled per step (pinned on CUDA)
+        self.grammar_wait: list[Req] = []  # waiting for their grammar to compile
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self._reported: list[Req] = []  # finished outside a step (aborts), reported next step
@@ -65,7 +74,17 @@ class Scheduler:
     # ---- intake -------------------------------------------------------------------------
 
     def add(self, req: Req) -> list[Req]:
-        """Queue a request; n > 1 becomes n sampled children sharing one prompt prefill."""
+        """Queue a request; n > 1 becomes n sampled children sharing one prompt prefill.
+        A constrained request first waits (in `grammar_wait`) for its grammar to compile."""
+        grammar_job = None
+        constraint = req.params.constraint
+        if constraint is not None:
+            try:
+                grammar_job = self.grammars.submit(parse_spec(*constraint))
+            except (InvalidSpec, ValueError) as exc:
+                self._enqueue(req, None)
+                self._fail(req, str(exc))
+                return [req]
         children = [req]
         if req.params.n > 1:
             children = [self._child(req, i) for i in range(req.params.n)]
@@ -79,11 +98,12 @@ class Scheduler:
                     hidden=True,
                     group_rid=req.rid,
                 )
-                self._enqueue(shared)
+                self._enqueue(shared, self.waiting)
                 for child in children:
                     child.blocked_by = shared
         for child in children:
-            self._enqueue(child)
+            child.grammar_future = grammar_job
+            self._enqueue(child, self.waiting if grammar_job is None else self.grammar_wait)
         return children
 
     def _child(self, req: Req, i: int) -> Req:
@@ -100,20 +120,57 @@ class Scheduler:
             output_logprobs=[],  # NOTE: replace() would share the lists
         )
 
-    def _enqueue(self, req: Req) -> None:
+    def _enqueue(self, req: Req, queue: list[Req] | None) -> None:
         seed = req.params.seed if req.params.seed is not None else next(self._seeds) % 2**63
         req.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self.output.start(req)
-        self.waiting.append(req)
+        if queue is not None:
+            queue.append(req)
+
+    def _fail(self, req: Req, message: str, status: int = 400) -> None:
+        """End a request for its own fault (a bad grammar): reported next step."""
+        self.output.finish(req, FinishReason("abort", message=message, status=status))
+        self._reported.append(req)
+
+    @property
+    def grammars(self) -> GrammarManager:
+        """Created on the first constrained request (the vocabulary takes ~1 s to convert)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("constrained decoding needs the model's tokenizer")
+            tokenizer, vocab_size = self.tokenizer, self.runner.model_config.vocab_size
+            end_ids = sorted(self.end_ids)
+            self._grammars = GrammarManager(
+                lambda: TokenVocab.from_tokenizer(tokenizer, vocab_size, end_ids),
+                order=self.config.grammar_backends,
+                timeout_s=self.config.grammar_compile_timeout,
+            )
+        return self._grammars
+
+    def _poll_grammars(self) -> None:
+        """Move requests whose grammar is ready to the waiting queue (or fail them)."""
+        for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
+            self.grammar_wait.remove(req)
+            try:
+                req.grammar = RequestGrammar(req.grammar_future.result(), sorted(self.end_ids))
+            except Exception as exc:  # GrammarError, or a matcher the backend cannot build
+                self._fail(req, str(exc))
+                continue
+            finally:
+                req.grammar_future = None
+            self.waiting.append(req)
+
+    def _wait_for_grammars(self, timeout_s: float = 0.01) -> None:
+        """Nothing to run but compiles in flight: block briefly instead of spinning."""
+        futures = [r.grammar_future for r in self.grammar_wait]
+        concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
 
     def abort(self, rid: str) -> bool:
         """Abort by rid (or every child of an n > 1 group). Returns whether anything matched."""
-        hit = [r for r in self.waiting + self.running if rid in (r.rid, r.group_rid)]
+        queues = (self.running, self.waiting, self.grammar_wait)
+        hit = [r for q in queues for r in q if rid in (r.rid, r.group_rid)]
         for req in hit:
-            if req in self.running:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            next(q for q in queues if req in q).remove(req)
             self.memory.release(req)
             self.output.finish(req, FinishReason("abort", message="aborted by request"))
             self._reported.append(req)
@@ -121,7 +178,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._reported)
+        return bool(self.waiting or self.running or self._reported or self.grammar_wait)
 
     # ---- the loop body --------------------------------------------------------------------
 
@@ -132,8 +189,12 @@ class Scheduler:
         for req in updates:
             self.output.mark_reported(req)
         self._reported = []
+        if self.grammar_wait:
+            self._poll_grammars()
         work = self._schedule()
         if not work:
+            if self.grammar_wait and not updates:
+                self._wait_for_grammars()
             return updates
         batch, plans = build_batch(work, self.memory, self.runner.device)
         hidden = self.runner.forward(batch)
@@ -167,11 +228,83 @@ class Scheduler:
             return
         rows = torch.tensor([p.sample_row for p in sampling], device=hidden.device)
         logits = self.runner.logits(hidden[rows])
-        result = sample(logits, [p.req for p in sampling], self.end_ids)
-        for i, plan in enumerate(sampling):
-            logprob = result.logprobs[i] if result.logprobs and plan.req.logprob else None
+        reqs = [p.req for p in sampling]
+        # NOTE: filled while the device computes the logits above (launched, not awaited)
+        bitmask = self._fill_bitmask(reqs)
+        result = sample(logits, reqs, self.end_ids, bitmask)
+        for i, req in enumerate(reqs):
+            logprob = result.logprobs[i] if result.logprobs and req.logprob else None
             top = result.top[i] if result.top else None
-            self.output.append_token(plan.req, result.token_ids[i], logprob, top)
+            token = result.token_ids[i]
+            if req.grammar is None:
+                self.output.append_token(req, token, logprob, top)
+            else:
+                self._append_constrained(req, token, logprob, top)
+
+    def _fill_bitmask(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]] | None:
+        """(bitmask rows [len(reqs), W] on the logits' device, the constrained rows) or None."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        vocab_size = self.runner.model_config.vocab_size
+        if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
+            size = max(len(reqs), self.config.max_running_requests)
+            self._bitmask = allocate_bitmask(
+                size, vocab_size, pin=self.runner.device.type == "cuda"
+            )
+        bitmask = self._bitmask[: len(reqs)]
+        self.grammars.fill([reqs[i].grammar for i in rows], bitmask, rows)
+        return bitmask.to(self.runner.device, non_blocking=True), rows
+
+    def _append_constrained(
+        self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None
+    ) -> None:
+        grammar: RequestGrammar = req.grammar
+        if token < 0 or not grammar.accept(token):
+            self.output.finish(
+                req, FinishReason("abort", message=f"the grammar rejected token {token}")
+            )
+            return
+        tokens = [token]
+        if not self.config.disable_jump_forward and req.logprob is None and not grammar.ended:
+            tokens = self._jump_forward(req, token)
+        for i, tid in enumerate(tokens):
+            if req.finished:
+                break
+            self.output.append_token(req, tid, logprob if i == 0 else None, top if i == 0 else None)
+        if grammar.ended and not req.finished:  # ignore_eos cannot outlast the grammar
+            self.output.finish(req, FinishReason("stop", matched=token))
+
+    def _jump_forward(self, req: Req, token: int) -> list[int]:
+        """The sampled token plus the text the grammar forces after it, re-tokenized together
+        (so the boundary is tokenized as the tokenizer would: '"' + 'name": ' -> '"name', ...).
+        Falls back to the sampled token alone when the joint tokens do not spell the same bytes
+        or the grammar refuses them."""
+        grammar: RequestGrammar = req.grammar
+        forced = grammar.jump_forward()
+        if not forced or self.tokenizer is None:
+            return [token]
+        vocab = self.grammars.vocab
+        head = vocab.token_bytes[token] or b""
+        try:
+            text = (head + forced).decode("utf-8")
+        except UnicodeDecodeError:
+            return [token]  # the forced text ends inside a character: next time
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) < 2 or vocab.text_bytes(ids) != head + forced:
+            return [token]
+        grammar.rollback(1)
+        accepted = 0
+        for tid in ids:
+            if not grammar.accept(tid):
+                break
+            accepted += 1
+        if accepted < len(ids):
+            grammar.rollback(accepted)
+            grammar.accept(token)
+            return [token]
+        grammar.jump_forward_tokens += len(ids) - 1
+        return ids
 
     def _score_prompt(self, hidden: torch.Tensor, plan: RowPlan) -> None:
         for lo in range(0, len(plan.prompt_rows), PROMPT_LOGITS_CHUNK):

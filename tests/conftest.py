@@ -36,7 +36,7 @@ def make_engine(model_path, **kwargs):
 
     kwargs.setdefault("show_progress", False)
     kwargs.setdefault("log_level", "warning")
-    engine = Engine(str(model_path), **kwargs)
+    engine = Engine(None if model_path is None else str(model_path), **kwargs)
     _LIVE_ENGINES.append(engine)
     return engine
 
