@@ -196,12 +196,21 @@ def test_sglang_clients_explicit_nulls_are_defaults(server):
     assert big_k["text"] == out["text"]
 
 
-@pytest.mark.parametrize("field", ["regex", "json_schema", "ebnf"])
-def test_grammars_are_refused_not_ignored(server, field):
-    r = server.post("/generate", {"text": "Hi", "sampling_params": {field: "a+"}})
-    assert r.status_code == 400
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("json_schema", "{nope", ["not valid JSON"]),
+        ("json_schema", {"type": "nope"}, ["not a valid JSON schema"]),
+        ("structural_tag", "[]", ["JSON object"]),
+        ("regex", 5, ["must be a string"]),
+    ],
+)
+def test_bad_constraints_are_a_400_naming_the_field(server, field, value, words):
+    r = server.post("/generate", {"text": "Hi", "sampling_params": {field: value}})
+    assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert "not supported yet" in error["message"] and field in error["message"]
+    assert error["param"] == f"sampling_params.{field}"
+    assert all(w in error["message"] for w in words), error["message"]
 
 
 def test_32_concurrent_streams_all_complete(server):

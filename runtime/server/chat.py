@@ -1,7 +1,15 @@
-"""Chat messages -> prompt text, through the model's own chat template (or --chat-template)."""
+"""Chat messages -> prompt text, through the model's own chat template (or --chat-template).
+
+Tools and the tool parts of a conversation are passed in the shape Hugging Face templates
+expect: `tools=[{"type": "function", "function": {...}}]`, assistant `tool_calls` whose
+`function.arguments` is a dict (OpenAI sends it as JSON text), and `tool` messages with
+`tool_call_id`.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +27,11 @@ def load_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a template longer than a file name may be
+        is_file = False
+    if is_file:
         return path.read_text()
     if "{" not in value:
         raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
@@ -37,19 +49,41 @@ class ChatRenderer:
             self.template or getattr(self.tokenizer, "chat_template", None)
         )
 
-    def render(self, messages: list[ChatMessage]) -> str:
+    def check_available(self) -> None:
         if not self.available or self.tokenizer is None:
             raise bad_request(
                 "this model has no chat template: start the server with --chat-template, or use "
                 "/v1/completions",
                 "messages",
             )
+
+    @property
+    def template_text(self) -> str | None:
+        """The Jinja text in use (every named template of the tokenizer, joined), if any."""
+        if self.template:
+            return self.template
+        own = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(own, dict):
+            return "\n".join(str(t) for t in own.values())
+        return own if isinstance(own, str) else None
+
+    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt; `tools` (checked OpenAI tool dicts) are rendered by the template."""
+        self.check_available()
+        assert self.tokenizer is not None
         if not messages:
             raise bad_request("messages must not be empty", "messages")
         plain = [_plain(m, i) for i, m in enumerate(messages)]
+        template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = (
+            list(tools) if tools else None
+        )
         try:
             text = self.tokenizer.apply_chat_template(
-                plain, tokenize=False, add_generation_prompt=True, chat_template=self.template
+                plain,
+                tools=template_tools,
+                tokenize=False,
+                add_generation_prompt=True,
+                chat_template=self.template,
             )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise ApiError(
@@ -80,12 +114,56 @@ def _plain(message: ChatMessage, i: int) -> dict[str, Any]:
         if message.role != "assistant":
             raise bad_request(f"{where}.content is missing", f"{where}.content")
         content = ""
-    if message.tool_calls:
-        raise not_supported(f"{where}.tool_calls", f"{where}.tool_calls")
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content}
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise bad_request(
+                f"{where}.tool_calls is only allowed in assistant messages", f"{where}.tool_calls"
+            )
+        out["tool_calls"] = _tool_calls(message.tool_calls, f"{where}.tool_calls")
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI tool calls of an earlier assistant turn -> the template's shape (arguments as a
+    dict, not JSON text)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list", where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise bad_request(f"{at} must be an object", at)
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"{at}.function.name must be a non-empty string", f"{at}.function")
+        args = fn.get("arguments")
+        if args is None or args == "":
+            args = {}
+        elif isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except (json.JSONDecodeError, RecursionError):
+                raise bad_request(
+                    f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments"
+                ) from None
+        if not isinstance(args, dict):
+            raise bad_request(
+                f"{at}.function.arguments must be a JSON object", f"{at}.function.arguments"
+            )
+        item: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": args},
+        }
+        call_id = call.get("id")
+        if call_id is not None:
+            if not isinstance(call_id, str):
+                raise bad_request(f"{at}.id must be a string", f"{at}.id")
+            item["id"] = call_id
+        out.append(item)
     return out

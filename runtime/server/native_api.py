@@ -3,6 +3,10 @@
 Responses have SGLang's shape: {"text", "output_ids", "meta_info"} per sample (a list for a
 batch or n > 1); a stream sends `data: {...}` events with the cumulative text and `data: [DONE]`.
 Logprob lists hold [logprob, token_id, text-or-null] entries.
+
+A request the scheduler ends for its own fault (a grammar that does not compile) finishes with
+an abort reason carrying `status_code`: it is answered as that error (an error event in a
+stream), naming the constraint field.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
 from weft.runtime.server.sglang_params import parse_sampling_params
-from weft.runtime.server.tokenizer_manager import ReqState, TokenizerManager
+from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -69,6 +73,7 @@ class _Parsed:
     single: bool
     stream: bool
     text_in_logprobs: bool
+    constraint_params: dict[str, str]  # rid -> the sampling_params field of its constraint
 
 
 def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
@@ -88,6 +93,7 @@ def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
     starts = _per_prompt(obj.logprob_start_len, count, single, "logprob_start_len", list_of=int)
     tops = _per_prompt(obj.top_logprobs_num, count, single, "top_logprobs_num", list_of=int)
     reqs = []
+    constraint_params = {}
     for i, ids in enumerate(ids_list):
         where = (
             "sampling_params"
@@ -111,7 +117,11 @@ def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
                 param="input_ids" if obj.text is None else "text",
             )
         )
-    return _Parsed(reqs, single, bool(obj.stream), bool(obj.return_text_in_logprobs))
+        if sp.constraint is not None:
+            constraint_params[reqs[-1].rid] = f"{where}.{sp.constraint[0]}"
+    return _Parsed(
+        reqs, single, bool(obj.stream), bool(obj.return_text_in_logprobs), constraint_params
+    )
 
 
 def _prompt_ids(obj: GenerateReqInput, tm: TokenizerManager) -> tuple[list[list[int]], bool]:
@@ -145,6 +155,32 @@ def _per_prompt(
 
 
 # ---- responses ------------------------------------------------------------------------------
+
+
+def request_error(state: ReqState, param: str | None = None) -> ApiError | None:
+    """Why a request failed: the server's error, or a finish reason with an error status (the
+    scheduler refused the request, e.g. its grammar does not compile; `param` names the field)."""
+    if state.error is not None:
+        return state.error
+    for sample in state.samples:
+        if refused(sample):
+            reason = sample.finish_reason or {}
+            message = str(reason.get("message") or "the request failed")
+            return ApiError(message, int(reason["status_code"]), param=param)
+    return None
+
+
+def refused(sample: Sample) -> bool:
+    """The sample ended with an error status (it has no output to send)."""
+    status = (sample.finish_reason or {}).get("status_code")
+    return isinstance(status, int) and status >= 400
+
+
+def raise_request_errors(states: list[ReqState], params: dict[str, str]) -> None:
+    for state in states:
+        error = request_error(state, params.get(state.rid))
+        if error is not None:
+            raise error
 
 
 def sample_output(
@@ -202,7 +238,7 @@ def sse(content: Any) -> bytes:
 
 
 async def _stream(
-    tm: TokenizerManager, states: list[ReqState], text_in_logprobs: bool
+    tm: TokenizerManager, states: list[ReqState], text_in_logprobs: bool, params: dict[str, str]
 ) -> AsyncIterator[bytes]:
     listener = states[0].listener
     flat = [(state, i) for state in states for i in range(len(state.samples))]
@@ -211,12 +247,12 @@ async def _stream(
             listener.clear()
             for index, (state, i) in enumerate(flat):
                 sample = state.samples[i]
-                if sample.dirty:
+                if sample.dirty and not refused(sample):
                     sample.dirty = False
                     chunk = sample_output(tm, state, i, text_in_logprobs)
                     chunk["index"] = index
                     yield sse(chunk)
-            errors = [s.error for s in states if s.error is not None]
+            errors = [e for s in states if (e := request_error(s, params.get(s.rid))) is not None]
             if errors:
                 yield sse(errors[0].body())
                 break
@@ -236,9 +272,11 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
         states = tm.submit(parsed.reqs, stream=parsed.stream)
         if parsed.stream:
             return StreamingResponse(
-                _stream(tm, states, parsed.text_in_logprobs), media_type="text/event-stream"
+                _stream(tm, states, parsed.text_in_logprobs, parsed.constraint_params),
+                media_type="text/event-stream",
             )
         await tm.wait(states, partial(client_gone, request))
+        raise_request_errors(states, parsed.constraint_params)
         outs = [
             sample_output(tm, state, i, parsed.text_in_logprobs)
             for state in states

@@ -3,13 +3,18 @@
 Requests become the same `GenerateRequest`s as the native API (n samples share one prompt
 prefill in the scheduler); responses and stream chunks follow OpenAI's shapes, with usage
 including prompt_tokens_details.cached_tokens.
+
+Output constraints: SGLang's extension fields `regex` / `json_schema` / `ebnf`, chat's
+`response_format` (json_object, json_schema) and chat's `tools` (a structural tag, see
+`tool_calls`); at most one per request, each checked before it reaches the scheduler.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -18,22 +23,33 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from weft.grammars.spec import JSON_OBJECT_SCHEMA
 from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
-from weft.runtime.server.native_api import SSE_DONE, client_gone, json_response, sse
+from weft.runtime.server.native_api import (
+    SSE_DONE,
+    client_gone,
+    json_response,
+    refused,
+    request_error,
+    sse,
+)
 from weft.runtime.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
 )
-from weft.runtime.server.sglang_params import check_stop
+from weft.runtime.server.sglang_params import check_constraint, check_stop
 from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
+from weft.runtime.server.tool_calls import TOOL_NAME, ToolCallParser, ToolPlan, plan_tools
 
 MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_EXTENSION_CONSTRAINTS = ("regex", "json_schema", "ebnf")  # SGLang's fields, same as native
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 # OpenAI field -> weft SamplingParams field, copied when not null
 _SAMPLING_FIELDS = {
@@ -73,17 +89,69 @@ def _check_model(tm: TokenizerManager, model: str | None) -> str:
     )
 
 
+def response_format_constraint(fmt: Any) -> str | None:
+    """Chat's `response_format` -> the JSON schema text it asks the output to match (None: free
+    text); a 400 names the bad part."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("response_format must be an object", "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps(JSON_OBJECT_SCHEMA)
+    if kind != "json_schema":
+        raise bad_request(
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}; got {kind!r}",
+            "response_format.type",
+        )
+    spec = fmt.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object with name and schema", where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise bad_request(
+            f"{where}.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}", f"{where}.name"
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.strict must be a boolean", f"{where}.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        what = "is missing" if schema is None else "must be a JSON schema object"
+        raise bad_request(f"{where}.schema {what}", f"{where}.schema")
+    return check_constraint("json_schema", schema, f"{where}.schema")
+
+
+def _constraint(
+    req: _SamplingFields, extra: Sequence[tuple[str, str, str]]
+) -> tuple[str, str] | None:
+    """The request's one output constraint as (SamplingParams field, spec text), from the
+    extension fields and `extra` ((field, text, OpenAI param) from response_format or tools)."""
+    found = []
+    for name in _EXTENSION_CONSTRAINTS:
+        text = check_constraint(name, getattr(req, name), name)
+        if text is not None:
+            found.append((name, text, name))
+    found.extend(extra)
+    if len(found) > 1:
+        given = " and ".join(param for _, _, param in found)
+        raise bad_request(f"give at most one output constraint; got {given}", found[-1][2])
+    return (found[0][0], found[0][1]) if found else None
+
+
 def _sampling(
     req: _SamplingFields,
     tm: TokenizerManager,
     prompt_len: int,
     max_tokens: int | None,
     default_max: int | None,
+    extra_constraints: Sequence[tuple[str, str, str]] = (),
 ) -> tuple[SamplingParams, bool]:
     """(params, max_tokens given explicitly); errors name the OpenAI field."""
-    for name in ("regex", "json_schema", "ebnf"):
-        if getattr(req, name):
-            raise not_supported(f"constrained decoding ({name})", name)
+    constraint = _constraint(req, extra_constraints)
     if req.logit_bias:
         raise not_supported("logit_bias", "logit_bias")
     if max_tokens is not None and max_tokens < 0:
@@ -95,6 +163,8 @@ def _sampling(
             values[dst] = value
     if req.stop is not None:
         values["stop"] = check_stop(req.stop, "stop")
+    if constraint is not None:
+        values[constraint[0]] = constraint[1]
     explicit = max_tokens is not None
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else tm.info.context_length - prompt_len
@@ -123,6 +193,11 @@ def _matched_stop(sample: Sample) -> int | str | None:
     return reason.get("matched")
 
 
+def _tool_finish(reason: str | None, called: bool) -> str | None:
+    """A model that stopped after calling tools finished with "tool_calls" (not on "length")."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 @dataclass
 class _Cursor:
     """How much of a sample a stream has sent."""
@@ -131,6 +206,8 @@ class _Cursor:
     logprobs: int = 0
     started: bool = False
     done: bool = False
+    parser: ToolCallParser | None = None  # chat with tools: text goes through it
+    calls: int = 0  # tool calls sent
 
 
 @dataclass
@@ -143,6 +220,8 @@ class _Job:
     states: list[ReqState]
     top_logprobs: int | None  # None: no logprobs
     echo_prompts: list[str] = field(default_factory=list)
+    tools: ToolPlan | None = None  # chat that may call tools: outputs are parsed for calls
+    constraint_param: str | None = None  # the field an output-constraint error names
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -153,6 +232,13 @@ class _Job:
         for state in self.states:
             out.extend(state.samples)
         return list(enumerate(out))
+
+    def raise_errors(self) -> None:
+        """A finished job whose request failed answers with that error."""
+        for state in self.states:
+            error = request_error(state, self.constraint_param)
+            if error is not None:
+                raise error
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(s.prompt_tokens for s in self.states)
@@ -207,7 +293,15 @@ class _Job:
         choices = []
         for index, s in self.samples:
             choice: dict[str, Any] = {"index": index}
-            if self.kind == "chat":
+            finish_reason = _finish_reason(s)
+            if self.kind == "chat" and self.tools is not None:
+                content, calls = self.tools.parse(s.text)
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = [c.to_openai() for c in calls]
+                choice["message"] = message
+                finish_reason = _tool_finish(finish_reason, bool(calls))
+            elif self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": s.text}
             else:
                 prompt = (
@@ -217,7 +311,7 @@ class _Job:
                 )
                 choice["text"] = prompt + s.text
             choice["logprobs"] = self.logprobs(s.output_logprobs)
-            choice["finish_reason"] = _finish_reason(s)
+            choice["finish_reason"] = finish_reason
             choice["matched_stop"] = _matched_stop(s)
             choices.append(choice)
         return {
@@ -245,49 +339,86 @@ class _Job:
             body["usage"] = usage
         return sse(body)
 
-    def _stream_choice(self, index: int, s: Sample, cur: _Cursor) -> dict[str, Any] | None:
+    def _stream_choices(self, index: int, s: Sample, cur: _Cursor) -> list[dict[str, Any]]:
+        """The choices (one per chunk) that send what is new in a sample."""
         text = s.text[cur.chars :]
         entries = s.output_logprobs[cur.logprobs :]
         finished = s.finished and not cur.done
         first = not cur.started and (self.kind == "chat" or bool(self.echo_prompts))
         if not text and not entries and not finished and not first:
-            return None
-        choice: dict[str, Any] = {"index": index}
+            return []
+        key = "delta" if self.kind == "chat" else "text"
+        bodies: list[Any]
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": text}
-            if not cur.started:
-                delta["role"] = "assistant"
-            choice["delta"] = delta
+            bodies = self._chat_deltas(text, cur, finished)
         else:
             echo = ""
             if not cur.started and self.echo_prompts:
                 echo = self.echo_prompts[index // len(self.states[0].samples)]
-            choice["text"] = echo + text
-        choice["logprobs"] = self.logprobs(entries, cur.chars) if entries else None
-        choice["finish_reason"] = _finish_reason(s) if finished else None
-        if finished:
-            choice["matched_stop"] = _matched_stop(s)
+            bodies = [echo + text]
+        logprobs = self.logprobs(entries, cur.chars) if entries else None
         cur.chars = len(s.text)
         cur.logprobs = len(s.output_logprobs)
-        cur.started = True
         cur.done = s.finished
-        return choice
+        if not bodies:
+            if not (entries or finished or first):
+                return []  # the tool-call parser holds all of the new text back
+            bodies = [{"role": "assistant", "content": ""} if first else {}]
+        cur.started = True
+        choices = []
+        for k, body in enumerate(bodies):
+            choice: dict[str, Any] = {
+                "index": index,
+                key: body,
+                "logprobs": logprobs if k == 0 else None,
+                "finish_reason": None,
+            }
+            if finished and k == len(bodies) - 1:
+                choice["finish_reason"] = _tool_finish(_finish_reason(s), cur.calls > 0)
+                choice["matched_stop"] = _matched_stop(s)
+            choices.append(choice)
+        return choices
+
+    def _chat_deltas(self, text: str, cur: _Cursor, finished: bool) -> list[dict[str, Any]]:
+        """Chat deltas for new text; through the tool-call parser when tools are active (then
+        possibly none: the parser may hold the text back)."""
+        if cur.parser is None:
+            deltas: list[dict[str, Any]] = [{"content": text}]
+        else:
+            events = cur.parser.feed(text)
+            if finished:
+                events += cur.parser.finish()
+            deltas = []
+            for event in events:
+                if isinstance(event, str):
+                    deltas.append({"content": event})
+                    continue
+                head = {"name": event.name, "arguments": ""}
+                call = {"index": cur.calls, "id": event.id, "type": "function", "function": head}
+                deltas.append({"tool_calls": [call]})
+                args = {"index": cur.calls, "function": {"arguments": event.arguments}}
+                deltas.append({"tool_calls": [args]})
+                cur.calls += 1
+        if deltas and not cur.started:
+            deltas[0] = {"role": "assistant", **deltas[0]}
+        return deltas
 
     async def stream(self, include_usage: bool) -> AsyncIterator[bytes]:
         listener = self.states[0].listener
         samples = self.samples
-        cursors = [_Cursor() for _ in samples]
+        cursors = [
+            _Cursor(parser=self.tools.parser() if self.tools is not None else None) for _ in samples
+        ]
         try:
             while True:
                 listener.clear()
                 for (index, s), cur in zip(samples, cursors, strict=True):
-                    if not s.dirty and cur.started:
+                    if (not s.dirty and cur.started) or refused(s):
                         continue
                     s.dirty = False
-                    choice = self._stream_choice(index, s, cur)
-                    if choice is not None:
+                    for choice in self._stream_choices(index, s, cur):
                         yield self._chunk([choice], None, include_usage)
-                errors = [s.error for s in self.states if s.error is not None]
+                errors = [e for s in self.states if (e := request_error(s, self.constraint_param))]
                 if errors:
                     yield sse(errors[0].body())
                     break
@@ -315,21 +446,24 @@ def _logprob_settings(req: ChatCompletionRequest) -> int | None:
 
 def _chat_job(req: ChatCompletionRequest, tm: TokenizerManager, chat: ChatRenderer) -> _Job:
     model = _check_model(tm, req.model)
-    if req.tools:
-        raise not_supported("tools", "tools")
-    fmt = req.response_format
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise not_supported(
-            "response_format other than text (constrained decoding)", "response_format"
-        )
+    chat.check_available()
+    json_schema = response_format_constraint(req.response_format)
+    if json_schema is not None and req.tools:
+        raise bad_request("response_format cannot be combined with tools", "response_format")
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, chat.template_text)
+    extra = []
+    if plan is not None:
+        extra.append(("structural_tag", plan.structural_tag, "tools"))
+    if json_schema is not None:
+        extra.append(("json_schema", json_schema, "response_format"))
     top = _logprob_settings(req)
-    prompt = chat.render(req.messages)
+    prompt = chat.render(req.messages, plan.tools if plan is not None else None)
     # NOTE: the rendered template carries its own BOS (if any): add no special tokens.
     ids = tm.tokenize(prompt, "messages", add_special_tokens=False)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    params, explicit = _sampling(req, tm, len(ids), max_tokens, None)
+    params, explicit = _sampling(req, tm, len(ids), max_tokens, None, extra)
     gen = tm.build_request(
         ids,
         params,
@@ -340,7 +474,14 @@ def _chat_job(req: ChatCompletionRequest, tm: TokenizerManager, chat: ChatRender
         param="messages",
         max_tokens_param="max_tokens",
     )
-    return _Job(tm, model, "chat", tm.submit([gen], stream=bool(req.stream)), top)
+    states = tm.submit([gen], stream=bool(req.stream))
+    param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
+    return _Job(tm, model, "chat", states, top, tools=plan, constraint_param=param)
+
+
+def _constraint_param(params: SamplingParams) -> str | None:
+    """The OpenAI field of an extension constraint (named as SamplingParams names it)."""
+    return params.constraint[0] if params.constraint is not None else None
 
 
 def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[int]], list[str]]:
@@ -376,6 +517,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager) -> _Job:
     ids_list, texts = _completion_prompts(req.prompt, tm)
     top = req.logprobs
     gens: list[GenerateRequest] = []
+    param = None
     for ids in ids_list:
         params, explicit = _sampling(
             req, tm, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -392,6 +534,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager) -> _Job:
                 max_tokens_param="max_tokens",
             )
         )
+        param = _constraint_param(params)
     if req.rid is not None and len(gens) == 1:
         gens[0].rid = req.rid
     return _Job(
@@ -401,6 +544,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager) -> _Job:
         tm.submit(gens, stream=bool(req.stream)),
         top,
         echo_prompts=texts if req.echo else [],
+        constraint_param=param,
     )
 
 
@@ -431,6 +575,7 @@ def register(app: FastAPI, tm: TokenizerManager, chat: ChatRenderer) -> None:
             include_usage = bool(options is not None and options.include_usage)
             return StreamingResponse(job.stream(include_usage), media_type="text/event-stream")
         await tm.wait(job.states, partial(client_gone, request))
+        job.raise_errors()
         return json_response(job.response())
 
 

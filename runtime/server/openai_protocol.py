@@ -56,7 +56,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     no_stop_trim: bool | None = None
     stop_token_ids: list[int] | None = None
     regex: str | None = None
-    json_schema: str | None = None
+    json_schema: str | dict[str, Any] | None = None  # JSON text or the schema itself
     ebnf: str | None = None
     rid: str | None = None
 
@@ -66,8 +66,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: Any = None
-    tools: list[Any] | None = None
+    response_format: Any = None  # checked by openai_api.response_format_constraint
+    tools: list[Any] | None = None  # checked by tool_calls.check_tools
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 

@@ -2,23 +2,29 @@
 
 SGLang clients send every field they know, often as explicit nulls ("regex": null) or as SGLang's
 own spellings (`sampling_seed`, top_k = 1 << 30 for "off"). Null means "default"; a feature weft
-does not have yet (grammars, regex stops, logit bias, beams) is a clear 400, never silently
-ignored; a key nobody knows is a 400 naming it.
+does not have yet (regex stops, logit bias, beams) is a clear 400, never silently ignored; a key
+nobody knows is a 400 naming it.
+
+Output constraints (regex, json_schema, ebnf, structural_tag; at most one) are checked here, in
+the HTTP process, with `weft.grammars.spec.parse_spec`: a spec that is not valid JSON, not a valid
+JSON schema, or too large is a 400 before the scheduler sees it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
-from weft.runtime.sampling_params import SamplingParams
+from weft.grammars.spec import InvalidSpec, parse_spec
+from weft.runtime.sampling_params import CONSTRAINT_FIELDS, SamplingParams
 from weft.runtime.server.errors import ApiError, bad_request, not_supported
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_LEN = 1024
 
 _OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+_JSON_FIELDS = frozenset({"json_schema", "structural_tag"})  # may also come as a JSON object
 # Accepted and without effect in weft (a delivery or bookkeeping hint, not a sampling change).
 _IGNORED_FIELDS = frozenset({"stream_interval", "custom_params"})
 
@@ -32,13 +38,23 @@ def parse_sampling_params(
     if not isinstance(values, dict):
         raise bad_request(f"{where} must be an object, got {type(values).__name__}", where)
     kwargs: dict[str, Any] = {}
+    constraints: list[str] = []
     for key, value in values.items():
         if value is None:
             continue
-        if key in _GRAMMAR_FIELDS:
-            if value == "":  # SGLang reads an empty constraint as "unset"
+        if key in CONSTRAINT_FIELDS:
+            text = check_constraint(key, value, f"{where}.{key}")
+            if text is None:
                 continue
-            raise not_supported(f"constrained decoding ({where}.{key})", f"{where}.{key}")
+            if constraints:
+                raise bad_request(
+                    f"give at most one of {', '.join(CONSTRAINT_FIELDS)}; got {constraints[0]} "
+                    f"and {key}",
+                    f"{where}.{key}",
+                )
+            constraints.append(key)
+            kwargs[key] = text
+            continue
         if key == "stop_regex":
             if value in ("", []):
                 continue
@@ -67,6 +83,29 @@ def parse_sampling_params(
     except (ValueError, TypeError) as exc:
         raise ApiError(f"invalid {where}: {exc}", 400, param=where) from None
     return params, "max_new_tokens" in kwargs
+
+
+def check_constraint(field: str, value: Any, param: str) -> str | None:
+    """One constraint field's value -> its spec text (None: unset, as null or "" are).
+
+    json_schema and structural_tag may come as JSON objects; they are sent on as JSON text. The
+    spec is checked with parse_spec (InvalidSpec -> a 400 naming `param`); the text stays as the
+    client sent it.
+    """
+    if value is None or value == "":  # SGLang reads an empty constraint as "unset"
+        return None
+    if field in _JSON_FIELDS and isinstance(value, dict):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, str):
+        text = value
+    else:
+        kinds = "a string or a JSON object" if field in _JSON_FIELDS else "a string"
+        raise bad_request(f"{param} must be {kinds}, got {type(value).__name__}", param)
+    try:
+        parse_spec(field, text)
+    except InvalidSpec as exc:
+        raise bad_request(f"invalid {param}: {exc}", param) from None
+    return text
 
 
 def _check_lists(kwargs: dict[str, Any], where: str) -> None:

@@ -1,0 +1,771 @@
+"""Tool calling, response_format and constraint fields, without a model or a server: call-format
+detection on real chat templates, the structural tags each tool_choice gives, parsing (whole text
+and streamed in any chunking), and the 400s that name the bad field."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+
+from weft.grammars.spec import parse_spec
+from weft.runtime.server.chat import ChatRenderer
+from weft.runtime.server.errors import ApiError
+from weft.runtime.server.openai_api import (
+    _chat_job,
+    _constraint,
+    _Cursor,
+    _Job,
+    response_format_constraint,
+)
+from weft.runtime.server.openai_protocol import ChatCompletionRequest
+from weft.runtime.server.sglang_params import parse_sampling_params
+from weft.runtime.server.tokenizer_manager import ReqState, Sample
+from weft.runtime.server.tool_calls import (
+    LLAMA3_JSON,
+    QWEN25,
+    ToolCall,
+    ToolCallParser,
+    ToolChoice,
+    check_tool_choice,
+    check_tools,
+    detect_format,
+    parse_tool_calls,
+    plan_tools,
+    structural_tag,
+)
+
+from conftest import fixture_path
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+ADD = {"type": "function", "function": {"name": "add"}}  # parameters default to an empty object
+TOOLS = [WEATHER, ADD]
+NAMES = frozenset({"get_weather", "add"})
+EMPTY_OBJECT = {"type": "object", "properties": {}}
+
+
+def template(name: str) -> str:
+    return fixture_path("tokenizers", "chat-templates", name).read_text()
+
+
+def api_error(call: Any, *args: Any, **kwargs: Any) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        call(*args, **kwargs)
+    assert err.value.status == 400
+    return err.value
+
+
+# ---- call formats --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("Qwen-Qwen2.5-7B-Instruct.jinja", QWEN25),
+        ("meta-llama-Llama-3.1-8B-Instruct.jinja", LLAMA3_JSON),
+        ("meta-llama-Llama-3.2-3B-Instruct.jinja", LLAMA3_JSON),
+        ("mistralai-Mistral-Nemo-Instruct-2407.jinja", None),
+        ("microsoft-Phi-3.5-mini-instruct.jinja", None),
+    ],
+)
+def test_format_detection_on_real_templates(name, expected):
+    assert detect_format(template(name)) is expected
+
+
+def test_format_strings():
+    assert QWEN25.begin("get_weather") == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert QWEN25.end == "}\n</tool_call>"
+    assert LLAMA3_JSON.begin("add") == '{"name": "add", "parameters": '
+    assert LLAMA3_JSON.end == "}"
+    assert detect_format(None) is None and detect_format("{{ messages }}") is None
+
+
+# ---- tools and tool_choice -----------------------------------------------------------------
+
+
+def test_tools_are_normalized():
+    assert check_tools(TOOLS) == [
+        WEATHER,
+        {"type": "function", "function": {"name": "add", "parameters": EMPTY_OBJECT}},
+    ]
+
+
+@pytest.mark.parametrize(
+    "tools,param",
+    [
+        ("get_weather", "tools"),
+        ([WEATHER, 5], "tools[1]"),
+        ([{"type": "code", "function": {"name": "f"}}], "tools[0].type"),
+        ([{"type": "function"}], "tools[0].function"),
+        (
+            [WEATHER, {"type": "function", "function": {"name": "bad name"}}],
+            "tools[1].function.name",
+        ),
+        ([{"type": "function", "function": {"name": "x" * 65}}], "tools[0].function.name"),
+        ([{"type": "function", "function": {}}], "tools[0].function.name"),
+        ([WEATHER, WEATHER], "tools[1].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "description": 3}}],
+            "tools[0].function.description",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+            "tools[0].function.parameters",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": 12}}}],
+            "tools[0].function.parameters",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "strict": "yes"}}],
+            "tools[0].function.strict",
+        ),
+    ],
+)
+def test_bad_tools_name_the_entry(tools, param):
+    assert api_error(check_tools, tools).param == param
+
+
+def test_tool_choice():
+    names = ["get_weather", "add"]
+    assert check_tool_choice(None, names) == ToolChoice("auto")
+    assert check_tool_choice(None, []) == ToolChoice("none")
+    assert check_tool_choice("none", []) == ToolChoice("none")
+    assert check_tool_choice("required", names) == ToolChoice("required")
+    named = {"type": "function", "function": {"name": "add"}}
+    assert check_tool_choice(named, names) == ToolChoice("function", "add")
+    for bad in (
+        "sometimes",
+        {"type": "function", "function": {"name": "nope"}},
+        {"type": "function"},
+        {"function": {"name": "add"}},
+        5,
+    ):
+        assert api_error(check_tool_choice, bad, names).param == "tool_choice"
+    error = api_error(check_tool_choice, {"type": "function", "function": {"name": "nope"}}, names)
+    assert "'nope'" in error.message
+    assert api_error(check_tool_choice, "required", []).param == "tool_choice"
+
+
+# ---- structural tags -----------------------------------------------------------------------
+
+
+def _structure(fmt, name, schema):
+    return {"begin": fmt.begin(name), "schema": schema, "end": fmt.end}
+
+
+def test_structural_tag_auto_qwen():
+    tag = structural_tag(QWEN25, check_tools(TOOLS), ToolChoice("auto"))
+    assert tag == {
+        "type": "structural_tag",
+        "structures": [
+            {
+                "begin": '<tool_call>\n{"name": "get_weather", "arguments": ',
+                "schema": WEATHER["function"]["parameters"],
+                "end": "}\n</tool_call>",
+            },
+            {
+                "begin": '<tool_call>\n{"name": "add", "arguments": ',
+                "schema": EMPTY_OBJECT,
+                "end": "}\n</tool_call>",
+            },
+        ],
+        "triggers": ["<tool_call>"],
+        "free_text": True,
+        "at_least_one": False,
+        "repeat": True,
+        "separator": "\n",
+    }
+    assert json.loads(parse_spec("structural_tag", json.dumps(tag)).text) == tag
+
+
+def test_structural_tag_required_named_and_not_parallel():
+    tools = check_tools(TOOLS)
+    required = structural_tag(QWEN25, tools, ToolChoice("required"))
+    assert (required["free_text"], required["at_least_one"], required["repeat"]) == (
+        False,
+        True,
+        True,
+    )
+    assert len(required["structures"]) == 2
+    named = structural_tag(QWEN25, tools, ToolChoice("function", "add"))
+    assert named["structures"] == [_structure(QWEN25, "add", EMPTY_OBJECT)]
+    assert (named["free_text"], named["at_least_one"], named["repeat"]) == (False, True, False)
+    single = structural_tag(QWEN25, tools, ToolChoice("auto"), parallel=False)
+    assert (single["free_text"], single["at_least_one"], single["repeat"]) == (True, False, False)
+    for tag in (required, named, single):
+        assert json.loads(parse_spec("structural_tag", json.dumps(tag)).text) == tag
+
+
+def test_structural_tag_llama():
+    tag = structural_tag(LLAMA3_JSON, check_tools([WEATHER]), ToolChoice("required"))
+    assert tag == {
+        "type": "structural_tag",
+        "structures": [
+            {
+                "begin": '{"name": "get_weather", "parameters": ',
+                "schema": WEATHER["function"]["parameters"],
+                "end": "}",
+            }
+        ],
+        "triggers": ['{"name": "'],
+        "free_text": False,
+        "at_least_one": True,
+        "repeat": True,
+        "separator": "; ",
+    }
+    auto = structural_tag(LLAMA3_JSON, check_tools([WEATHER]), ToolChoice("auto"))
+    parse_spec("structural_tag", json.dumps(auto))
+    assert auto["triggers"] == ['{"name": "'] and auto["free_text"] is True
+
+
+def test_plan_tools():
+    qwen = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    plan = plan_tools(TOOLS, "required", False, qwen)
+    assert plan is not None and plan.format is QWEN25
+    assert json.loads(plan.structural_tag) == structural_tag(
+        QWEN25, check_tools(TOOLS), ToolChoice("required"), parallel=False
+    )
+    assert plan.names == NAMES
+    assert plan_tools(TOOLS, "none", None, qwen) is None
+    assert plan_tools(None, None, None, qwen) is None
+    assert plan_tools([], None, None, qwen) is None
+    mistral = template("mistralai-Mistral-Nemo-Instruct-2407.jinja")
+    assert plan_tools(TOOLS, "none", None, mistral) is None  # no call format needed
+    error = api_error(plan_tools, TOOLS, None, None, mistral)
+    assert error.param == "tools" and "no tool-call format" in error.message
+    assert api_error(plan_tools, [{"type": "x"}], "none", None, qwen).param == "tools[0].type"
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+
+def q(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def calls_of(text: str, fmt=QWEN25) -> tuple[str | None, list[tuple[str, str]]]:
+    content, calls = parse_tool_calls(text, fmt, NAMES)
+    for call in calls:
+        assert call.id.startswith("call_") and len(call.id) == 5 + 24
+        int(call.id[5:], 16)
+    return content, [(c.name, c.arguments) for c in calls]
+
+
+PARSE_CASES = [
+    ("no calls", "Just text.", QWEN25, ("Just text.", [])),
+    ("empty", "", QWEN25, (None, [])),
+    ("whitespace", " \n ", QWEN25, (None, [])),
+    (
+        "one call",
+        q("get_weather", '{"city": "Paris"}'),
+        QWEN25,
+        (None, [("get_weather", '{"city": "Paris"}')]),
+    ),
+    (
+        "parallel calls",
+        q("get_weather", '{"city": "Paris"}') + "\n" + q("add", "{}"),
+        QWEN25,
+        (None, [("get_weather", '{"city": "Paris"}'), ("add", "{}")]),
+    ),
+    (
+        "content around calls",
+        "Let me check.\n" + q("get_weather", '{"city":"Oslo","days":2}') + "\nDone.",
+        QWEN25,
+        ("Let me check.\n\nDone.", [("get_weather", '{"city": "Oslo", "days": 2}')]),
+    ),
+    (
+        "malformed JSON stays content",
+        'Hi <tool_call>\n{"name": "add", "arguments": {oops}\n</tool_call> end',
+        QWEN25,
+        ('Hi <tool_call>\n{"name": "add", "arguments": {oops}\n</tool_call> end', []),
+    ),
+    (
+        "an unknown tool stays content",
+        q("launch", "{}"),
+        QWEN25,
+        (q("launch", "{}"), []),
+    ),
+    (
+        "arguments not an object stay content",
+        q("add", "[1, 2]"),
+        QWEN25,
+        (q("add", "[1, 2]"), []),
+    ),
+    (
+        "a malformed call next to a good one",
+        q("add", "{") + "\n" + q("add", '{"a": 1}'),
+        QWEN25,
+        (q("add", "{"), [("add", '{"a": 1}')]),
+    ),
+    (
+        "a call cut off (length) stays content",
+        '<tool_call>\n{"name": "add", "argu',
+        QWEN25,
+        ('<tool_call>\n{"name": "add", "argu', []),
+    ),
+    (
+        "a call without its close tag at the end",
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n',
+        QWEN25,
+        (None, [("add", '{"a": 1}')]),
+    ),
+    (
+        "a trigger prefix at the end is content",
+        "Hmm <tool_",
+        QWEN25,
+        ("Hmm <tool_", []),
+    ),
+    (
+        "arguments given as JSON text",
+        '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>',
+        QWEN25,
+        (None, [("add", '{"a": 1}')]),
+    ),
+    (
+        "llama: one call",
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+        LLAMA3_JSON,
+        (None, [("get_weather", '{"city": "Rome"}')]),
+    ),
+    (
+        "llama: parallel calls joined by '; '",
+        '{"name": "add", "parameters": {"a": "}{"}}; {"name": "get_weather", "parameters": {}}',
+        LLAMA3_JSON,
+        (None, [("add", '{"a": "}{"}'), ("get_weather", "{}")]),
+    ),
+    (
+        "llama: content before a call, separator after",
+        'Calling now: {"name": "add", "parameters": {"a": [1, {"b": 2}]}}; ',
+        LLAMA3_JSON,
+        ("Calling now:", [("add", '{"a": [1, {"b": 2}]}')]),
+    ),
+    (
+        "llama: an unclosed object stays content",
+        'x {"name": "add", "parameters": {',
+        LLAMA3_JSON,
+        ('x {"name": "add", "parameters": {', []),
+    ),
+    (
+        "llama: JSON that is not a call stays content",
+        '{"name": "Bob", "age": 3} is a record',
+        LLAMA3_JSON,
+        ('{"name": "Bob", "age": 3} is a record', []),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "text,fmt,expected", [c[1:] for c in PARSE_CASES], ids=[c[0] for c in PARSE_CASES]
+)
+def test_parse(text, fmt, expected):
+    assert calls_of(text, fmt) == expected
+
+
+def _stream(text: str, fmt, cuts: list[int]) -> tuple[str | None, list[tuple[str, str]]]:
+    parser = ToolCallParser(fmt, NAMES)
+    events = []
+    last = 0
+    for cut in [*cuts, len(text)]:
+        events += parser.feed(text[last:cut])
+        last = cut
+    events += parser.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [(e.name, e.arguments) for e in events if not isinstance(e, str)]
+    assert parser.num_calls == len(calls)
+    return content or None, calls
+
+
+@pytest.mark.parametrize("case", PARSE_CASES, ids=[c[0] for c in PARSE_CASES])
+def test_streaming_parse_equals_whole_parse(case):
+    _, text, fmt, expected = case
+    rng = random.Random(hash(text) & 0xFFFF)
+    assert _stream(text, fmt, []) == expected
+    assert _stream(text, fmt, list(range(1, len(text)))) == expected  # one character at a time
+    for _ in range(200 if len(text) > 1 else 0):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 8))))
+        assert _stream(text, fmt, cuts) == expected, cuts
+
+
+def test_streaming_holds_back_only_what_may_start_a_call():
+    parser = ToolCallParser(QWEN25, NAMES)
+    assert parser.feed("Hello <tool") == ["Hello"]  # " <tool" may begin a call
+    assert parser.feed("box> ") == [" <toolbox>"]  # it did not; the trailing space waits
+    assert parser.feed(q("add", '{"a": 1}')[:-1]) == []  # the close tag is not complete
+    [call] = parser.feed(">")
+    assert isinstance(call, ToolCall) and (call.name, call.arguments) == ("add", '{"a": 1}')
+    assert parser.feed("\n") == []  # a separator after a call is no content
+    assert parser.feed(" Bye") == [" \n Bye"]  # the held space, the gap, the text
+    assert parser.finish() == []
+
+
+# ---- the stream chunks of a chat job -------------------------------------------------------
+
+
+def _job(plan) -> tuple[_Job, Sample]:
+    sample = Sample()
+    state = ReqState(rid="r", prompt_tokens=3, samples=[sample], listener=None)  # type: ignore[arg-type]
+    return _Job(None, "m", "chat", [state], None, tools=plan), sample  # type: ignore[arg-type]
+
+
+def test_stream_chunks_carry_the_same_calls_as_the_response():
+    plan = plan_tools(TOOLS, None, None, template("Qwen-Qwen2.5-7B-Instruct.jinja"))
+    text = "Sure.\n" + q("get_weather", '{"city": "Paris"}') + "\n" + q("add", '{"a": 2}')
+    rng = random.Random(7)
+    for _ in range(20):
+        job, sample = _job(plan)
+        cur = _Cursor(parser=plan.parser())
+        choices = []
+        at = 0
+        while at < len(text):
+            step = rng.randint(1, 9)
+            sample.text += text[at : at + step]
+            at += step
+            if at >= len(text):
+                sample.finish_reason = {"type": "stop", "matched": 151645}
+            choices += job._stream_choices(0, sample, cur)
+        deltas = [c["delta"] for c in choices]
+        assert deltas[0]["role"] == "assistant"
+        assert [c["finish_reason"] for c in choices][-1] == "tool_calls"
+        assert all(c["finish_reason"] is None for c in choices[:-1])
+        content = "".join(d.get("content") or "" for d in deltas)
+        calls: dict[int, dict[str, Any]] = {}
+        for d in deltas:
+            for part in d.get("tool_calls", []):
+                call = calls.setdefault(part["index"], {"arguments": ""})
+                if "id" in part:
+                    assert part["type"] == "function" and part["function"]["arguments"] == ""
+                    call.update(id=part["id"], name=part["function"]["name"])
+                call["arguments"] += part["function"]["arguments"]
+        whole = job.response()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls"
+        assert whole["message"]["content"] == content == "Sure."
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in whole["message"]["tool_calls"]
+        ]
+
+
+def test_no_tool_calls_finish_on_length_or_without_calls():
+    plan = plan_tools(TOOLS, None, None, template("Qwen-Qwen2.5-7B-Instruct.jinja"))
+    job, sample = _job(plan)
+    sample.text = q("add", "{}")
+    sample.finish_reason = {"type": "length", "length": 9}
+    assert job.response()["choices"][0]["finish_reason"] == "length"
+    job, sample = _job(plan)
+    sample.text = "No tools needed."
+    sample.finish_reason = {"type": "stop", "matched": 151645}
+    choice = job.response()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"] == {"role": "assistant", "content": "No tools needed."}
+
+
+# ---- response_format and the OpenAI constraint fields ---------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_response_format_mapping():
+    assert response_format_constraint(None) is None
+    assert response_format_constraint({"type": "text"}) is None
+    assert response_format_constraint({"type": "json_object"}) == '{"type": "object"}'
+    fmt = {"type": "json_schema", "json_schema": {"name": "a_1", "schema": SCHEMA, "strict": True}}
+    assert json.loads(response_format_constraint(fmt) or "") == SCHEMA
+
+
+@pytest.mark.parametrize(
+    "fmt,param",
+    [
+        ("json", "response_format"),
+        ({"type": "xml"}, "response_format.type"),
+        ({}, "response_format.type"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "a"}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": 1}},
+            "response_format.json_schema.strict",
+        ),
+    ],
+)
+def test_response_format_errors_name_the_part(fmt, param):
+    assert api_error(response_format_constraint, fmt).param == param
+
+
+def chat_request(**fields: Any) -> ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "Hi"}], **fields}
+    return msgspec.json.decode(json.dumps(body), type=ChatCompletionRequest)
+
+
+def test_extension_constraint_fields():
+    assert _constraint(chat_request(), []) is None
+    assert _constraint(chat_request(regex="[ab]+"), []) == ("regex", "[ab]+")
+    assert _constraint(chat_request(ebnf='root ::= "yes"'), []) == ("ebnf", 'root ::= "yes"')
+    as_object = _constraint(chat_request(json_schema=SCHEMA), [])
+    assert as_object is not None and json.loads(as_object[1]) == SCHEMA
+    as_text = json.dumps(SCHEMA)
+    assert _constraint(chat_request(json_schema=as_text), []) == ("json_schema", as_text)
+    assert _constraint(chat_request(regex=""), []) is None  # empty = unset
+    error = api_error(_constraint, chat_request(regex="a", ebnf='root ::= "a"'), [])
+    assert error.param == "ebnf" and "regex and ebnf" in error.message
+    error = api_error(_constraint, chat_request(json_schema="{not json"), [])
+    assert error.param == "json_schema" and "not valid JSON" in error.message
+    error = api_error(
+        _constraint, chat_request(regex="a"), [("json_schema", "{}", "response_format")]
+    )
+    assert error.param == "response_format"
+
+
+# ---- whole chat requests (a fake tokenizer manager, a real tokenizer and template) -----------
+
+
+class FakeTM:
+    """What _chat_job needs from the tokenizer manager; remembers the request it built."""
+
+    served_model_name = "m"
+    source = SimpleNamespace(display_path="m")
+    info = SimpleNamespace(context_length=32768, vocab_size=151936)
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.built: list[Any] = []
+
+    def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def build_request(self, ids: list[int], params: Any, *args: Any, **kwargs: Any) -> Any:
+        self.built.append(SimpleNamespace(ids=ids, params=params))
+        return self.built[-1]
+
+    def submit(self, reqs: list[Any], stream: bool = False) -> list[ReqState]:
+        return [ReqState(rid="r", prompt_tokens=1, samples=[Sample()], listener=None)]  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(fixture_path("tokenizers", "qwen2")))
+
+
+def run_chat(tokenizer: Any, tmpl: str, **fields: Any) -> tuple[str, Any, _Job]:
+    tm = FakeTM(tokenizer)
+    job = _chat_job(chat_request(**fields), tm, ChatRenderer(tokenizer, tmpl))  # type: ignore[arg-type]
+    built = tm.built[-1]
+    return tokenizer.decode(built.ids), built.params, job
+
+
+def test_chat_with_tools_renders_them_and_constrains_the_output(qwen_tokenizer):
+    qwen = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    prompt, params, job = run_chat(qwen_tokenizer, qwen, tools=TOOLS)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert params.constraint is not None and params.constraint[0] == "structural_tag"
+    tag = json.loads(params.structural_tag)
+    assert tag == structural_tag(QWEN25, check_tools(TOOLS), ToolChoice("auto"))
+    assert job.tools is not None
+    # tool_choice none: no tools in the prompt, no constraint, no parsing
+    prompt, params, job = run_chat(qwen_tokenizer, qwen, tools=TOOLS, tool_choice="none")
+    assert "<tools>" not in prompt and params.constraint is None and job.tools is None
+    _, params, _ = run_chat(
+        qwen_tokenizer,
+        qwen,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+    )
+    tag = json.loads(params.structural_tag)
+    assert [s["begin"] for s in tag["structures"]] == [QWEN25.begin("add")]
+    assert tag["repeat"] is False and tag["free_text"] is False
+
+
+def test_chat_response_format(qwen_tokenizer):
+    qwen = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    _, params, _ = run_chat(qwen_tokenizer, qwen, response_format={"type": "json_object"})
+    assert params.constraint == ("json_schema", '{"type": "object"}')
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    _, params, _ = run_chat(qwen_tokenizer, qwen, response_format=fmt)
+    assert json.loads(params.json_schema) == SCHEMA
+    _, params, _ = run_chat(qwen_tokenizer, qwen, response_format={"type": "text"}, regex="a+")
+    assert params.constraint == ("regex", "a+")
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"response_format": {"type": "json_object"}, "tools": TOOLS}, "response_format"),
+        (
+            {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "none"},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "response_format"),
+        ({"tools": TOOLS, "ebnf": 'root ::= "a"'}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools[0].function.name"),
+        ({"regex": 5}, "regex"),
+    ],
+)
+def test_chat_constraint_errors(qwen_tokenizer, fields, param):
+    qwen = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    try:
+        error = api_error(run_chat, qwen_tokenizer, qwen, **fields)
+    except msgspec.ValidationError as exc:  # a wrongly typed field: msgspec names it
+        assert param in str(exc)
+        return
+    assert error.param == param
+
+
+def test_tools_on_a_template_without_a_call_format(qwen_tokenizer):
+    phi = template("microsoft-Phi-3.5-mini-instruct.jinja")
+    error = api_error(run_chat, qwen_tokenizer, phi, tools=TOOLS)
+    assert error.param == "tools" and "no tool-call format" in error.message
+    prompt, params, _ = run_chat(qwen_tokenizer, phi, tools=TOOLS, tool_choice="none")
+    assert "get_weather" not in prompt and params.constraint is None
+
+
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+]
+
+
+def test_history_with_tool_calls_renders_through_the_template(qwen_tokenizer):
+    qwen = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    prompt, _, _ = run_chat(qwen_tokenizer, qwen, messages=HISTORY, tools=TOOLS)
+    assert prompt.endswith(
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n"
+    )
+    llama = template("meta-llama-Llama-3.1-8B-Instruct.jinja")
+    prompt, _, _ = run_chat(qwen_tokenizer, llama, messages=HISTORY, tools=TOOLS)
+    assert (
+        '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", '
+        '"parameters": {"city": "Paris"}}<|eot_id|>'
+        # NOTE: this template writes a tool's string content through tojson
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"temp\\": 21}"<|eot_id|>'
+    ) in prompt
+
+
+@pytest.mark.parametrize(
+    "call,param",
+    [
+        ("x", "messages[1].tool_calls"),
+        ([5], "messages[1].tool_calls[0]"),
+        ([{"function": {"arguments": "{}"}}], "messages[1].tool_calls[0].function"),
+        (
+            [{"function": {"name": "f", "arguments": "{oops"}}],
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            [{"function": {"name": "f", "arguments": "[1]"}}],
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ([{"id": 3, "function": {"name": "f"}}], "messages[1].tool_calls[0].id"),
+    ],
+)
+def test_bad_history_tool_calls(qwen_tokenizer, call, param):
+    qwen = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    messages = [HISTORY[0], {**HISTORY[1], "tool_calls": call}]
+    assert api_error(run_chat, qwen_tokenizer, qwen, messages=messages).param == param
+    user_calls = [{**HISTORY[0], "tool_calls": HISTORY[1]["tool_calls"]}]
+    error = api_error(run_chat, qwen_tokenizer, qwen, messages=user_calls)
+    assert error.param == "messages[0].tool_calls"
+
+
+# ---- the native API's sampling_params ------------------------------------------------------
+
+
+def native(**values: Any) -> Any:
+    params, _ = parse_sampling_params(values, vocab_size=1000)
+    return params
+
+
+def test_native_constraint_fields():
+    assert native(regex="[0-9]+").constraint == ("regex", "[0-9]+")
+    assert native(ebnf='root ::= "yes" | "no"').ebnf == 'root ::= "yes" | "no"'
+    text = '{"type": "integer"}'
+    assert native(json_schema=text).json_schema == text  # kept as sent
+    assert json.loads(native(json_schema=SCHEMA).json_schema) == SCHEMA
+    tag = structural_tag(QWEN25, check_tools([WEATHER]), ToolChoice("auto"))
+    assert json.loads(native(structural_tag=tag).structural_tag) == tag
+    assert json.loads(native(structural_tag=json.dumps(tag)).structural_tag) == tag
+    empty = native(regex="", json_schema=None, ebnf="", structural_tag="")
+    assert empty.constraint is None
+
+
+@pytest.mark.parametrize(
+    "values,param,words",
+    [
+        ({"regex": 5}, "sampling_params.regex", ["must be a string"]),
+        ({"ebnf": {"root": "x"}}, "sampling_params.ebnf", ["must be a string"]),
+        ({"json_schema": ["x"]}, "sampling_params.json_schema", ["string or a JSON object"]),
+        ({"json_schema": "{nope"}, "sampling_params.json_schema", ["not valid JSON"]),
+        ({"json_schema": '{"type": 5}'}, "sampling_params.json_schema", ["JSON schema"]),
+        ({"json_schema": '"text"'}, "sampling_params.json_schema", ["JSON object"]),
+        ({"json_schema": "   "}, "sampling_params.json_schema", ["empty"]),
+        (
+            {"structural_tag": '{"structures": []}'},
+            "sampling_params.structural_tag",
+            ["structures"],
+        ),
+        ({"regex": "a" * 300_000}, "sampling_params.regex", ["too large"]),
+        (
+            {"regex": "a", "json_schema": "{}"},
+            "sampling_params.json_schema",
+            ["regex and json_schema"],
+        ),
+    ],
+)
+def test_native_constraint_errors(values, param, words):
+    with pytest.raises(ApiError) as err:
+        parse_sampling_params(values, vocab_size=1000)
+    assert err.value.status == 400 and err.value.param == param
+    for word in words:
+        assert word in err.value.message
