@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weft.frontend.api import ConstrainedDecodingUnsupported, assistant, gen, select, system, user
+from weft.frontend.api import assistant, gen, select, system, user
 from weft.frontend.backend import Backend, BackendError
 from weft.frontend.openai_backend import OpenAIBackend
 from weft.frontend.program import Plan, Program, function
@@ -12,7 +12,6 @@ from weft.frontend.state import ForkGroup, ProgramError, ProgramState
 __all__ = [
     "Backend",
     "BackendError",
-    "ConstrainedDecodingUnsupported",
     "ForkGroup",
     "OpenAIBackend",
     "Plan",

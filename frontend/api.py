@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 from weft.frontend.ir import (
@@ -30,11 +32,41 @@ SAMPLING_NAMES = {
     "presence_penalty": "presence_penalty",
     "ignore_eos": "ignore_eos",
 }
-_CONSTRAINED = ("regex", "json_schema", "ebnf", "dtype")
+# gen(dtype=...) as a regex over the value's Python spelling (SGLang's meaning)
+DTYPE_REGEX = {int: r"[-+]?[0-9]+", float: r"[-+]?[0-9]+(\.[0-9]+)?", bool: r"(True|False)"}
 
 
-class ConstrainedDecodingUnsupported(ValueError):
-    """regex / json_schema / ebnf / dtype before weft has a grammar backend."""
+def _constraint(
+    name: str | None, regex: str | None, json_schema: Any, ebnf: str | None, dtype: Any
+) -> dict[str, str]:
+    """The one constraint of a gen as sampling params (json_schema as JSON text)."""
+    given = {
+        k: v
+        for k, v in {
+            "regex": regex,
+            "json_schema": json_schema,
+            "ebnf": ebnf,
+            "dtype": dtype,
+        }.items()
+        if v is not None
+    }
+    if len(given) > 1:
+        raise ValueError(f"gen({name!r}): give one of {', '.join(given)}, not several")
+    if not given:
+        return {}
+    key, value = next(iter(given.items()))
+    if key == "dtype":
+        kind = {"int": int, "float": float, "bool": bool}.get(value, value)
+        if kind not in DTYPE_REGEX:
+            raise ValueError(f"gen({name!r}): dtype must be int, float or bool, got {value!r}")
+        return {"regex": DTYPE_REGEX[kind]}
+    if key == "json_schema" and not isinstance(value, str):
+        if hasattr(value, "model_json_schema"):  # a pydantic model class
+            value = value.model_json_schema()
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise ValueError(f"gen({name!r}): {key} must be a string")
+    return {key: value}
 
 
 def gen(
@@ -57,13 +89,7 @@ def gen(
     dtype: type | str | None = None,
 ) -> Node:
     """Generate text into variable `name`; unset parameters take the run's defaults."""
-    given = {"regex": regex, "json_schema": json_schema, "ebnf": ebnf, "dtype": dtype}
-    for key in _CONSTRAINED:
-        if given[key] is not None:
-            raise ConstrainedDecodingUnsupported(
-                f"gen({name!r}): {key} is not supported yet — constrained decoding arrives with "
-                "the grammar backends (the server answers 400 'not supported yet' as well)"
-            )
+    constraint = _constraint(name, regex, json_schema, ebnf, dtype)
     if choices is not None:
         return select(name, choices)
     local = {
@@ -80,7 +106,7 @@ def gen(
         "ignore_eos": ignore_eos,
     }
     params = {SAMPLING_NAMES[k]: v for k, v in local.items() if v is not None}
-    return Gen(name, params)
+    return Gen(name, {**params, **constraint})
 
 
 def select(

@@ -8,7 +8,6 @@ import pytest
 from fake_backend import FakeBackend
 
 import weft
-from weft.frontend.api import ConstrainedDecodingUnsupported
 from weft.frontend.ir import Gen, RoleBegin, RoleEnd, Select, Text, flatten
 from weft.frontend.scoring import choose
 from weft.frontend.state import ProgramError, _seam
@@ -31,11 +30,17 @@ def test_ir_nodes_print_as_the_program():
     assert weft.gen("c", choices=["a", "b"]) == Select("c", ["a", "b"])
 
 
-@pytest.mark.parametrize("key", ["regex", "json_schema", "ebnf", "dtype"])
-def test_constrained_gen_is_a_clear_error(key):
-    with pytest.raises(ConstrainedDecodingUnsupported, match=rf"gen\('x'\): {key} is not supp"):
-        weft.gen("x", **{key: "[0-9]+" if key != "dtype" else int})
-    assert issubclass(ConstrainedDecodingUnsupported, ValueError)
+def test_constrained_gen_becomes_sampling_params():
+    assert weft.gen("x", regex="[0-9]+").params == {"regex": "[0-9]+"}
+    assert weft.gen("x", json_schema={"type": "object"}).params == {
+        "json_schema": '{"type": "object"}'
+    }
+    assert weft.gen("x", ebnf='root ::= "a"').params == {"ebnf": 'root ::= "a"'}
+    assert weft.gen("x", dtype=int).params == {"regex": r"[-+]?[0-9]+"}
+    with pytest.raises(ValueError, match=r"gen\('x'\): give one of regex, ebnf, not several"):
+        weft.gen("x", regex="a", ebnf='root ::= "a"')
+    with pytest.raises(ValueError, match=r"gen\('x'\): dtype must be int, float or bool"):
+        weft.gen("x", dtype=list)
 
 
 def test_bad_select_arguments():
