@@ -60,12 +60,18 @@ def bench_masks(args: argparse.Namespace) -> None:
     end_ids = [tokenizer.convert_tokens_to_ids(t) for t in args.end_tokens.split(",")]
     start = time.perf_counter()
     vocab = TokenVocab.from_tokenizer(tokenizer, vocab_size, end_ids)
-    print(f"# vocabulary {args.tokenizer}: {vocab_size} ids, {vocab.kind}, "
-          f"converted in {time.perf_counter() - start:.2f} s; {describe_device(torch.device('cpu'))}")
+    print(
+        f"# vocabulary {args.tokenizer}: {vocab_size} ids, {vocab.kind}, "
+        f"converted in {time.perf_counter() - start:.2f} s; {describe_device(torch.device('cpu'))}"
+    )
     entries = load_corpus(args.tier)
-    print(f"# workload: {len(entries)} schemas ({args.tier or 'all'} tier), example instances as compact JSON")
-    print(f"{'backend':<11} {'compiled':>9} {'compile p50 ms':>15} {'p99 ms':>8} {'max ms':>8} "
-          f"{'mask p50 us':>12} {'p99 us':>8} {'max us':>8} {'walked':>7}")
+    print(
+        f"# workload: {len(entries)} schemas ({args.tier or 'all'} tier), example instances as compact JSON"
+    )
+    print(
+        f"{'backend':<11} {'compiled':>9} {'compile p50 ms':>15} {'p99 ms':>8} {'max ms':>8} "
+        f"{'mask p50 us':>12} {'p99 us':>8} {'max us':>8} {'walked':>7}"
+    )
     for label, order in ORDERS.items():
         manager = GrammarManager(lambda: vocab, order=order, timeout_s=args.timeout)
         for name in order:  # backend setup (vocabulary import) is not a compile
@@ -94,12 +100,16 @@ def bench_masks(args: argparse.Namespace) -> None:
                     break
             walked += ok
         manager.shutdown()
-        print(f"{label:<11} {compiled_n:>4}/{len(entries):<4} {_pct(compile_ms, .5):>15.1f} "
-              f"{_pct(compile_ms, .99):>8.1f} {max(compile_ms, default=float('nan')):>8.1f} "
-              f"{_pct(mask_us, .5):>12.1f} {_pct(mask_us, .99):>8.1f} "
-              f"{max(mask_us, default=float('nan')):>8.1f} {walked:>7}")
-    print("# walked = examples whose every token the masks allowed (tokenization of the compact "
-          "text, not necessarily what a model would pick)")
+        print(
+            f"{label:<11} {compiled_n:>4}/{len(entries):<4} {_pct(compile_ms, 0.5):>15.1f} "
+            f"{_pct(compile_ms, 0.99):>8.1f} {max(compile_ms, default=float('nan')):>8.1f} "
+            f"{_pct(mask_us, 0.5):>12.1f} {_pct(mask_us, 0.99):>8.1f} "
+            f"{max(mask_us, default=float('nan')):>8.1f} {walked:>7}"
+        )
+    print(
+        "# walked = examples whose every token the masks allowed (tokenization of the compact "
+        "text, not necessarily what a model would pick)"
+    )
 
 
 # ---- decode ------------------------------------------------------------------------------
@@ -148,7 +158,9 @@ def bench_decode(args: argparse.Namespace) -> None:
     engine = engines["unconstrained"]  # constrained runs share it (grammar chosen per request)
     device = engine.runner.device
     print(f"# {describe_device(device)}; model {engine.runner.model_config.architecture}")
-    prompt = "Write the JSON of a delivery order for customer 1042 to 5 Elm Street, evening, signed."
+    prompt = (
+        "Write the JSON of a delivery order for customer 1042 to 5 Elm Street, evening, signed."
+    )
     if engine.tokenizer is not None and engine.tokenizer.chat_template:
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
@@ -174,13 +186,17 @@ def bench_decode(args: argparse.Namespace) -> None:
             ratio = (tokens / seconds) / (base[1] / base[0])
             saved = sum(o["meta_info"].get("jump_forward_tokens", 0) for o in outs)
             extra = f"  jump-forward saved {saved} steps" if saved else ""
-            print(f"{name:<18} {tokens / seconds:>10.1f} {itl * 1e3:>8.2f} {tokens:>7} {ratio:>16.2f}x{extra}")
+            print(
+                f"{name:<18} {tokens / seconds:>10.1f} {itl * 1e3:>8.2f} {tokens:>7} {ratio:>16.2f}x{extra}"
+            )
     for e in engines.values():
         e.shutdown()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("masks")
     m.add_argument("--tokenizer", required=True)
