@@ -7,6 +7,8 @@ Each row: the median time (triton.testing.do_bench) of eager calls and of CUDA-g
 read once, outputs written once) over the graph time, next to the device's copy bandwidth
 measured in the same run; attention rows also give TFLOP/s next to a measured bf16 matmul rate.
 `--sweep` times the attention kernels' tile settings instead.
+The masked_sample rows take fp32 logits at the Llama-3 and Qwen2 vocabularies, whatever --dtype
+(`--sampling`: those rows only).
 The torch column times the torch twin / the code the model runs without the kernel.
 Inputs are random (never zeros) and sized well past the L2 cache where the shape allows.
 """
@@ -245,6 +247,48 @@ def bench_elementwise(dtype: torch.dtype, dev: torch.device, g: torch.Generator)
     return rows
 
 
+SAMPLE_VOCABS = (128256, 151936)  # Llama-3, Qwen2
+
+
+def masked_sample_case(
+    batch: int, vocab: int, greedy: bool, dev: torch.device, g: torch.Generator
+) -> Row:
+    """fp32 logits of `batch` rows, half of them grammar-constrained (a random bitmask); sampled
+    rows at temperature 0.8, top-p 0.9 and top-k 50 (both thresholds searched), or all greedy."""
+    from weft.kernels.masked_sample import masked_sample, masked_sample_reference
+
+    logits = torch.randn((batch, vocab), device=dev, generator=g) * 4  # peaked, as LM logits
+    words = -(-vocab // 32)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (batch, words), dtype=torch.int32, device=dev, generator=g
+    )
+    constrained = torch.arange(batch, device=dev) % 2 == 0
+    temperature = torch.full((batch,), 0.0 if greedy else 0.8, device=dev)
+    top_k = torch.full((batch,), 0 if greedy else 50, dtype=torch.int32, device=dev)
+    top_p = torch.full((batch,), 1.0 if greedy else 0.9, device=dev)
+    min_p = torch.zeros(batch, device=dev)
+    uniform = torch.rand(batch, device=dev, generator=g)
+    args = (logits, bitmask, constrained, temperature, top_k, top_p, min_p, uniform)
+    # logits once, the constrained rows' bitmask once, ids + logprobs
+    moved = batch * vocab * 4 + (batch + 1) // 2 * words * 4 + batch * 12
+    return timed(
+        "masked_sample",
+        f"B={batch} V={vocab} {'greedy' if greedy else 'k+p'}",
+        lambda: masked_sample(*args, want_logprobs=True),
+        moved,
+        torch_ms=bench(lambda: masked_sample_reference(*args, want_logprobs=True)),
+    )
+
+
+def bench_sampling(dev: torch.device, g: torch.Generator) -> list[Row]:
+    return [
+        masked_sample_case(batch, vocab, greedy, dev, g)
+        for vocab in SAMPLE_VOCABS
+        for batch in (1, 64)
+        for greedy in (False, True)
+    ]
+
+
 def sweep(dtype: torch.dtype, dev: torch.device, g: torch.Generator) -> None:
     """Graph-replay times of the attention kernels' tile/launch settings (for choosing defaults)."""
     from weft.kernels.decode_attention import decode_attention
@@ -298,6 +342,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--sweep", action="store_true", help="time the attention kernels' tile settings")
+    p.add_argument("--sampling", action="store_true", help="time the masked_sample rows only")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit(
@@ -314,7 +359,11 @@ def main() -> None:
     peak_bw, peak_flops = copy_gbps(dev), matmul_tflops(dev)
     print(f"measured: copy {peak_bw:.0f} GB/s (read + write), bf16 matmul {peak_flops:.0f} TFLOP/s")
     print(f"Llama-3-8B shapes: Hq={HQ} Hkv={HKV} D={D} hidden={HIDDEN} inter={INTER}, {dtype}")
-    rows = bench_attention(dtype, dev, g) + bench_elementwise(dtype, dev, g)
+    if args.sampling:
+        rows = bench_sampling(dev, g)
+    else:
+        rows = bench_attention(dtype, dev, g) + bench_elementwise(dtype, dev, g)
+        rows += bench_sampling(dev, g)
     header = (
         f"{'kernel':24} {'shape':26} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
         f"{'graph ms':>9} {'host us':>8} {'torch ms':>9}"
