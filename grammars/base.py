@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import torch
 
 from weft.grammars.spec import GrammarSpec
@@ -72,17 +73,21 @@ def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Ten
 
 
 def set_bits(bitmask: torch.Tensor, row: int, ids: list[int], allowed: bool) -> None:
-    """Set (allowed) or clear the bits of `ids` in bitmask[row] (a CPU tensor)."""
+    """Set (allowed) or clear the bits of `ids` in bitmask[row] (a CPU tensor).
+
+    NOTE: through a numpy view: a torch scalar read or write costs microseconds, and this runs
+    for every constrained row of every step.
+    """
+    words = bitmask.numpy()
     for tid in ids:
         word, bit = divmod(tid, 32)
-        value = int(bitmask[row, word]) & 0xFFFFFFFF
-        value = value | (1 << bit) if allowed else value & ~(1 << bit)
-        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+        mask = np.int32(np.uint32(1 << bit).view(np.int32))
+        words[row, word] = (words[row, word] | mask) if allowed else (words[row, word] & ~mask)
 
 
 def bit_is_set(bitmask: torch.Tensor, row: int, tid: int) -> bool:
     word, bit = divmod(tid, 32)
-    return bool((int(bitmask[row, word]) >> bit) & 1)
+    return bool((int(bitmask.numpy()[row, word]) >> bit) & 1)
 
 
 def allowed_ids(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:

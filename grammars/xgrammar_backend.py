@@ -20,7 +20,7 @@ from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
 # Threads xgrammar uses to fill a batch of masks (it parallelizes over rows).
-FILL_THREADS = min(4, os.cpu_count() or 1)
+FILL_THREADS = min(8, os.cpu_count() or 1)
 
 
 class XGrammarMatcher(Matcher):

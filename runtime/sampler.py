@@ -68,10 +68,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     index = torch.tensor(rows, device=logits.device)
     allowed = unpack_bitmask(bitmask[index], logits.shape[-1])
     masked = logits[index].masked_fill(~allowed, float("-inf"))
-    stuck = torch.isneginf(masked).all(dim=-1)
-    if bool(stuck.any()):
-        masked[stuck] = torch.where(allowed[stuck], 0.0, float("-inf"))
-    logits[index] = masked
+    # NOTE: no host sync on `stuck` (a decode step syncs once, when the tokens are read)
+    stuck = torch.isneginf(masked).all(dim=-1, keepdim=True)
+    grammar_only = torch.zeros_like(masked).masked_fill(~allowed, float("-inf"))
+    logits[index] = torch.where(stuck, grammar_only, masked)
 
 
 def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[float, int]]:
