@@ -26,15 +26,9 @@ class OutlinesMatcher(Matcher):
         self.ended = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        # NOTE: writes numel int32 words at the row's address: the row must be contiguous
         target = bitmask[row]
-        target.zero_()
-        allowed = self.guide.get_tokens()
-        if allowed:
-            ids = torch.tensor(allowed, dtype=torch.int64)
-            ids = ids[ids < target.numel() * 32]
-            words = torch.zeros(target.numel(), dtype=torch.int64)
-            words.index_add_(0, ids // 32, torch.ones_like(ids) << (ids % 32))
-            target.copy_(torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
+        self.guide.write_mask_into(target.data_ptr(), target.numel(), 4)
 
     def can_end(self, bitmask: torch.Tensor, row: int) -> bool:
         return bool(self.index.is_final_state(self.guide.get_state()))
