@@ -10,7 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from weft.kernels.masked_sample import HAS_TRITON, masked_sample
 from weft.runtime.core import Req
+
+# The fused Triton mask + sample kernel on CUDA (the torch path below otherwise, and on CPUs).
+USE_FUSED_KERNEL = True
 
 
 @dataclass
@@ -32,6 +36,9 @@ def sample(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     _apply_penalties(logits, reqs)
     _block_early_stop(logits, reqs, end_ids)
+    if logits.is_cuda and USE_FUSED_KERNEL and HAS_TRITON:
+        chosen = _sample_fused(logits, reqs, bitmask)
+        return _result(chosen, reqs, raw_logprobs)
     if bitmask is not None:
         apply_bitmask(logits, *bitmask)
 
@@ -43,6 +50,10 @@ def sample(
         for j, i in enumerate(sampled_rows):
             chosen[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
 
+    return _result(chosen, reqs, raw_logprobs)
+
+
+def _result(chosen: torch.Tensor, reqs: list[Req], raw_logprobs: torch.Tensor | None) -> Sampled:
     ids = chosen.tolist()
     if raw_logprobs is None:
         return Sampled(ids, None, None)
@@ -52,6 +63,43 @@ def sample(
         for i, r in enumerate(reqs)
     ]
     return Sampled(ids, picked, top)
+
+
+def _sample_fused(
+    logits: torch.Tensor, reqs: list[Req], bitmask: tuple[torch.Tensor, list[int]] | None
+) -> torch.Tensor:
+    """One Triton kernel: the grammar mask, temperature, top-k/top-p/min-p and the draw.
+
+    NOTE: each sampled row draws its uniform from the request's own generator, so seeded
+    requests repeat; the kernel draws by inverse CDF in vocabulary order, not with
+    torch.multinomial, so a seed gives other samples here than on the CPU.
+    """
+    device = logits.device
+    params = [r.params for r in reqs]
+    uniform = torch.zeros(len(reqs), dtype=torch.float32, device=device)
+    for i, req in enumerate(reqs):
+        if not req.params.is_greedy:
+            uniform[i] = torch.rand((), generator=req.generator, device=device)
+    host = torch.tensor(
+        [[p.temperature, p.top_p, p.min_p, p.top_k] for p in params], dtype=torch.float32
+    ).to(device, non_blocking=True)
+    words, constrained = None, None
+    if bitmask is not None:
+        words, rows = bitmask
+        flags = torch.zeros(len(reqs), dtype=torch.bool)
+        flags[rows] = True
+        constrained = flags.to(device, non_blocking=True)
+    ids, _ = masked_sample(
+        logits.float().contiguous(),
+        words,
+        constrained,
+        host[:, 0].contiguous(),
+        host[:, 3].to(torch.int32),
+        host[:, 1].contiguous(),
+        host[:, 2].contiguous(),
+        uniform,
+    )
+    return ids
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
