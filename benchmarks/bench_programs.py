@@ -1,12 +1,17 @@
-"""DSL program throughput: a few-shot select + fork-and-gen program, run one by one and as a
-batch on one event loop (the radix cache shares the few-shot prefix).
+"""DSL program throughput with the radix cache on, against the same programs with it off.
 
     python benchmarks/bench_programs.py --model-path ../shared/fixtures/models/stories260K-hf
-    python benchmarks/bench_programs.py                       # the embedded default model
-    python benchmarks/bench_programs.py --url http://127.0.0.1:30000
+    python benchmarks/bench_programs.py                  # the embedded default model
+    python benchmarks/bench_programs.py --workload json  # one workload
 
-The workload follows SGLang's few-shot benchmarks in shape (a long shared few-shot prefix,
-a short question, select over labels, then two short parallel gens), with seeded inputs.
+Workloads (seeded inputs), each run as one `run_batch` on one event loop:
+- few-shot: a long shared few-shot prefix, a short story, `select` over labels, then two forked
+  gens (the shape of SGLang's few-shot benchmarks);
+- fork: a shared context, then `fork(4)` with a gen per branch;
+- json: a shared extraction instruction, a short record, one gen under a JSON schema (grammar-
+  constrained; jump-forward on).
+For each: programs/s, the tokens the model computed (prefill + decode, from the scheduler), the
+prompt tokens served from the cache, and the speed-up over the cache-off engine in the same run.
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ import random
 import time
 from typing import Any
 
+import torch
+
 import weft
+
+from common import describe_device
 
 SHOTS = [
     ("The cat sat on the warm mat and purred.", "happy"),
@@ -26,10 +35,28 @@ SHOTS = [
 ] * 2
 SUBJECTS = ["Ben", "Mia", "The bird", "A little fox", "Sue", "The old man"]
 EVENTS = ["found a toy", "fell in the mud", "got a cake", "lost a shoe", "saw a rainbow"]
+CONTEXT = (
+    "Once upon a time, in a small village by the sea, there lived a girl who loved to tell "
+    "stories. Every evening the children gathered around her to listen. "
+) * 3
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "mood": {"enum": ["happy", "sad"]},
+        "event": {"type": "string", "maxLength": 24},
+    },
+    "required": ["name", "mood", "event"],
+    "additionalProperties": False,
+}
+INSTRUCTION = (
+    "Extract a JSON record with the person's name, their mood (happy or sad) and what happened. "
+    "Answer with the JSON object only.\n\n"
+) * 2
 
 
 @weft.function
-def judge(s, story: str, max_tokens: int):
+def few_shot(s, story: str, max_tokens: int):
     for text, label in SHOTS:
         s += f"Story: {text}\nMood: {label}\n\n"
     s += f"Story: {story}\nMood: " + weft.select("mood", ["happy", "sad"]) + "\n"
@@ -37,6 +64,24 @@ def judge(s, story: str, max_tokens: int):
     forks[0] += "Why:" + weft.gen("note", max_tokens=max_tokens, stop="\n")
     forks[1] += "Next:" + weft.gen("note", max_tokens=max_tokens, stop="\n")
     forks.join()
+
+
+@weft.function
+def fork_heavy(s, story: str, max_tokens: int):
+    s += CONTEXT + f"One day, {story} "
+    forks = s.fork(4)
+    for i, branch in enumerate(forks):
+        branch += f"Ending {i + 1}:" + weft.gen("note", max_tokens=max_tokens, stop="\n")
+    forks.join()
+
+
+@weft.function
+def extract(s, story: str, max_tokens: int):
+    s += INSTRUCTION + f"Text: {story}\nJSON: "
+    s += weft.gen("note", max_tokens=max_tokens * 4, json_schema=RECORD_SCHEMA)
+
+
+WORKLOADS = {"few-shot": few_shot, "fork": fork_heavy, "json": extract}
 
 
 def inputs(n: int, seed: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -47,40 +92,58 @@ def inputs(n: int, seed: int, max_tokens: int) -> list[dict[str, Any]]:
     ]
 
 
+def run(engine: Any, program: Any, batch: list[dict[str, Any]]) -> tuple[float, int]:
+    """(seconds, tokens the model computed)."""
+    engine.flush_cache()
+    program.run(**batch[0], backend=engine, temperature=0)  # warm-up (grammar compile too)
+    engine.flush_cache()
+    computed = engine.scheduler.num_tokens_computed
+    start = time.perf_counter()
+    states = program.run_batch(batch, backend=engine, temperature=0)
+    seconds = time.perf_counter() - start
+    for state in states:
+        state.text()  # raises if the program failed
+    return seconds, engine.scheduler.num_tokens_computed - computed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", default=None)
-    parser.add_argument("--url", default=None)
-    parser.add_argument("--num-programs", type=int, default=16)
+    parser.add_argument("--num-programs", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", choices=list(WORKLOADS), nargs="+", default=list(WORKLOADS))
     args = parser.parse_args()
-    backend: Any
-    if args.url:
-        backend = weft.RuntimeEndpoint(args.url)
-    else:
-        backend = weft.Engine(args.model_path, show_progress=False, log_level="warning")
+    common = dict(show_progress=False, log_level="warning")
+    engines = {
+        "cache on": weft.Engine(args.model_path, **common),
+        "cache off": weft.Engine(args.model_path, disable_radix_cache=True, **common),
+    }
+    device = engines["cache on"].runner.device
+    print(f"# {describe_device(device)}; model {args.model_path or 'default (Qwen2.5 0.5B)'}")
+    print(f"# {args.num_programs} programs per workload, up to {args.max_tokens} tokens per gen")
     batch = inputs(args.num_programs, args.seed, args.max_tokens)
+    print(f"{'workload':<9} {'engine':<10} {'programs/s':>10} {'computed tok':>13} {'speed-up':>9}")
     try:
-        judge.run(**batch[0], backend=backend, temperature=0)  # warm-up
-        t = time.perf_counter()
-        one_by_one = [judge.run(**kw, backend=backend, temperature=0) for kw in batch]
-        seq_s = time.perf_counter() - t
-        t = time.perf_counter()
-        batched = judge.run_batch(batch, backend=backend, temperature=0)
-        batch_s = time.perf_counter() - t
+        for name in args.workload:
+            program = WORKLOADS[name]
+            rows = {label: run(e, program, batch) for label, e in engines.items()}
+            off_s, off_tokens = rows["cache off"]
+            for label, (seconds, computed) in rows.items():
+                print(
+                    f"{name:<9} {label:<10} {len(batch) / seconds:>10.2f} {computed:>13} "
+                    f"{off_s / seconds:>8.2f}x"
+                )
+            saved = 1 - rows["cache on"][1] / max(off_tokens, 1)
+            print(f"{'':<9} the cache saved {saved:.0%} of the computed tokens")
     finally:
-        if hasattr(backend, "shutdown"):
-            backend.shutdown()
-    tokens = sum(m["completion_tokens"] for s in batched for m in s.get_meta_info("note"))
-    same = sum(a["mood"] == b["mood"] for a, b in zip(one_by_one, batched, strict=True))
-    print(f"programs: {len(batch)}, requests per program: {len(judge.trace(**batch[0]))}")
-    print(f"one by one: {len(batch) / seq_s:7.2f} programs/s ({seq_s:.2f} s)")
+        for engine in engines.values():
+            engine.shutdown()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     print(
-        f"run_batch : {len(batch) / batch_s:7.2f} programs/s ({batch_s:.2f} s), "
-        f"{tokens / batch_s:.1f} generated tok/s"
+        "# requests per program:", {n: len(WORKLOADS[n].trace(**batch[0])) for n in args.workload}
     )
-    print(f"select agrees between the two runs: {same}/{len(batch)}")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ class Scheduler:
         self._seeds = itertools.count(config.random_seed * 1_000_003)
         self.num_retractions = 0
         self.num_steps = 0
+        self.num_tokens_computed = 0  # tokens through the model (prefill + decode)
         self.peak_running = 0
 
     # ---- intake -------------------------------------------------------------------------
@@ -200,6 +201,7 @@ class Scheduler:
         hidden = self.runner.forward(batch)
         self._read_outputs(hidden, plans)
         self.num_steps += 1
+        self.num_tokens_computed += batch.num_tokens
         self.peak_running = max(self.peak_running, len(self.running))
         for plan in plans:
             req = plan.req
