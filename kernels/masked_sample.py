@@ -624,6 +624,9 @@ def masked_sample(
         logits, bitmask, constrained, temperature, top_k, top_p, min_p, uniform
     )
     check(HAS_TRITON, "masked_sample: Triton is not installed (use masked_sample_reference)")
+    # NOTE: a NaN logit (a broken model row) is forbidden: the kernel's searches assume ordered
+    # values, and with NaN it could return an id from an unwritten buffer slot. One extra pass.
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     dev = logits.device
     words_v = -(-vocab // 32)
     if chunks is None:  # 128 x 32 tokens a tile: the fastest on an H100 at V = 152k
