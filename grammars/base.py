@@ -92,6 +92,8 @@ def bit_is_set(bitmask: torch.Tensor, row: int, tid: int) -> bool:
 
 def allowed_ids(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
     """The token ids whose bit is set (for tests and debugging)."""
-    words = bitmask[row].to(torch.int64) & 0xFFFFFFFF
-    bits = (words[:, None] >> torch.arange(32)) & 1
-    return [int(i) for i in torch.nonzero(bits.flatten()[:vocab_size])[:, 0]]
+    from weft.kernels.masked_sample import allowed_tokens
+
+    allowed = allowed_tokens(bitmask[row : row + 1], None, vocab_size)
+    assert allowed is not None
+    return [int(i) for i in torch.nonzero(allowed[0])[:, 0]]

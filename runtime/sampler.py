@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weft.kernels.masked_sample import HAS_TRITON, masked_sample
+from weft.kernels.masked_sample import HAS_TRITON, allowed_tokens, masked_sample
 from weft.runtime.core import Req
 
 # The fused Triton mask + sample kernel on CUDA (the torch path below otherwise, and on CPUs).
@@ -76,10 +76,13 @@ def _sample_fused(
     """
     device = logits.device
     params = [r.params for r in reqs]
-    uniform = torch.zeros(len(reqs), dtype=torch.float32, device=device)
-    for i, req in enumerate(reqs):
-        if not req.params.is_greedy:
-            uniform[i] = torch.rand((), generator=req.generator, device=device)
+    zero = torch.zeros((), device=device)
+    uniform = torch.stack(
+        [
+            zero if p.is_greedy else torch.rand((), generator=r.generator, device=device)
+            for p, r in zip(params, reqs, strict=True)
+        ]
+    )
     host = torch.tensor(
         [[p.temperature, p.top_p, p.min_p, p.top_k] for p in params], dtype=torch.float32
     ).to(device, non_blocking=True)
@@ -102,19 +105,13 @@ def _sample_fused(
     return ids
 
 
-def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [R, W] -> bool [R, vocab_size] (bit j of word w = token 32 * w + j)."""
-    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
-    bits = (words[:, :, None] >> shifts) & 1
-    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
-
-
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Forbid what the grammar forbids in the constrained rows. A row whose allowed tokens were
     all blocked otherwise (min_new_tokens against a grammar that can only end) keeps the
     grammar's tokens: the grammar wins."""
     index = torch.tensor(rows, device=logits.device)
-    allowed = unpack_bitmask(bitmask[index], logits.shape[-1])
+    allowed = allowed_tokens(bitmask[index], None, logits.shape[-1])
+    assert allowed is not None
     masked = logits[index].masked_fill(~allowed, float("-inf"))
     # NOTE: no host sync on `stuck` (a decode step syncs once, when the tokens are read)
     stuck = torch.isneginf(masked).all(dim=-1, keepdim=True)
