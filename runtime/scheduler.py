@@ -59,6 +59,7 @@ class Scheduler:
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
         self.tokenizer = tokenizer
         self.end_ids = end_ids
+        self._end_list = sorted(end_ids)  # the grammar backends take them as a list
         self._grammars: GrammarManager | None = None
         self._bitmask: torch.Tensor | None = None  # CPU rows filled per step (pinned on CUDA)
         self.grammar_wait: list[Req] = []  # waiting for their grammar to compile
@@ -140,7 +141,7 @@ class Scheduler:
             if self.tokenizer is None:
                 raise ValueError("constrained decoding needs the model's tokenizer")
             tokenizer, vocab_size = self.tokenizer, self.runner.model_config.vocab_size
-            end_ids = sorted(self.end_ids)
+            end_ids = self._end_list
             self._grammars = GrammarManager(
                 lambda: TokenVocab.from_tokenizer(tokenizer, vocab_size, end_ids),
                 order=self.config.grammar_backends,
@@ -153,7 +154,7 @@ class Scheduler:
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
             self.grammar_wait.remove(req)
             try:
-                req.grammar = RequestGrammar(req.grammar_future.result(), sorted(self.end_ids))
+                req.grammar = RequestGrammar(req.grammar_future.result(), self._end_list)
             except Exception as exc:  # GrammarError, or a matcher the backend cannot build
                 self._fail(req, str(exc))
                 continue
@@ -269,44 +270,13 @@ class Scheduler:
             return
         tokens = [token]
         if not self.config.disable_jump_forward and req.logprob is None and not grammar.ended:
-            tokens = self._jump_forward(req, token)
+            tokens = grammar.jump_forward_from(token)
         for i, tid in enumerate(tokens):
             if req.finished:
                 break
             self.output.append_token(req, tid, logprob if i == 0 else None, top if i == 0 else None)
         if grammar.ended and not req.finished:  # ignore_eos cannot outlast the grammar
             self.output.finish(req, FinishReason("stop", matched=token))
-
-    def _jump_forward(self, req: Req, token: int) -> list[int]:
-        """The sampled token plus the text the grammar forces after it, re-tokenized together
-        (so the boundary is tokenized as the tokenizer would: '"' + 'name": ' -> '"name', ...).
-        Falls back to the sampled token alone when the joint tokens do not spell the same bytes
-        or the grammar refuses them."""
-        grammar: RequestGrammar = req.grammar
-        forced = grammar.jump_forward()
-        if not forced or self.tokenizer is None:
-            return [token]
-        vocab = self.grammars.vocab
-        head = vocab.token_bytes[token] or b""
-        try:
-            text = (head + forced).decode("utf-8")
-        except UnicodeDecodeError:
-            return [token]  # the forced text ends inside a character: next time
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        if len(ids) < 2 or vocab.text_bytes(ids) != head + forced:
-            return [token]
-        grammar.rollback(1)
-        accepted = 0
-        for tid in ids:
-            if not grammar.accept(tid):
-                break
-            accepted += 1
-        if accepted < len(ids):
-            grammar.rollback(accepted)
-            grammar.accept(token)
-            return [token]
-        grammar.jump_forward_tokens += len(ids) - 1
-        return ids
 
     def _score_prompt(self, hidden: torch.Tensor, plan: RowPlan) -> None:
         for lo in range(0, len(plan.prompt_rows), PROMPT_LOGITS_CHUNK):
