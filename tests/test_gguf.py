@@ -28,6 +28,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from weft.grammars.vocab import TokenVocab
 from weft.runtime.loaders import gguf_convert
 from weft.runtime.loaders.default_model import (
     DEFAULT_MODEL_SHA256,
@@ -617,6 +618,11 @@ def real_folder(real_gguf: Path) -> Path:
     return convert_gguf(real_gguf, default_cache_root(), torch.bfloat16)
 
 
+@pytest.fixture(scope="session")
+def real_reader(real_gguf: Path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(real_gguf)  # NOTE: parsing the header takes seconds; read it once
+
+
 @pytest.mark.slow
 def test_real_gguf_assembled(real_gguf):
     assert real_gguf.stat().st_size == DEFAULT_MODEL_SIZE
@@ -642,7 +648,7 @@ def test_real_config(real_folder):
 
 
 @pytest.mark.slow
-def test_real_weights_match_gguf_dequantization(real_gguf, real_folder):
+def test_real_weights_match_gguf_dequantization(real_reader, real_folder):
     """One tensor of each type in the file (Q4_K, Q5_0, Q6_K, Q8_0, F32) against gguf.quants."""
     hf = {
         "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",  # Q5_0
@@ -651,7 +657,7 @@ def test_real_weights_match_gguf_dequantization(real_gguf, real_folder):
         "blk.2.ffn_down.weight": "model.layers.2.mlp.down_proj.weight",  # Q4_K
         "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",  # Q8_0
     }
-    tensors = {t.name: t for t in gguf.GGUFReader(real_gguf).tensors}
+    tensors = {t.name: t for t in real_reader.tensors}
     seen = set()
     with safe_open(str(real_folder / "model.safetensors"), framework="pt") as f:
         assert len(list(f.keys())) == 291 and "lm_head.weight" in f.keys()  # noqa: SIM118
@@ -676,6 +682,46 @@ def test_real_tokenizer_reproduces_llamacpp_vectors(real_folder):
         [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True
     )
     assert "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n" in chat
+
+
+@pytest.mark.slow
+def test_real_tokenizer_control_and_unused_tokens_are_special(real_reader, real_folder):
+    """The GGUF's 271 UNUSED "[PADn]" rows and 20 CONTROL tokens are special after conversion:
+    no decoded text, no grammar bytes. USER_DEFINED <tool_call> and normal tokens keep text."""
+    types = real_reader.get_field("tokenizer.ggml.token_type").contents()
+    by_type: dict[int, list[int]] = {}
+    for tid, kind in enumerate(types):
+        by_type.setdefault(kind, []).append(tid)
+    unused = by_type[gguf.TokenType.UNUSED]
+    control = by_type[gguf.TokenType.CONTROL]
+    assert unused == list(range(151665, 151936))
+    assert control == [*range(151643, 151657), *range(151659, 151665)]
+    assert by_type[gguf.TokenType.USER_DEFINED] == [151657, 151658]
+    assert len(by_type[gguf.TokenType.NORMAL]) == 151643 and len(types) == 151936
+
+    saved = json.loads((real_folder / "tokenizer.json").read_text())["added_tokens"]
+    assert {t["id"] for t in saved if t["special"]} == set(control + unused)
+    assert [(t["id"], t["content"]) for t in saved if not t["special"]] == [
+        (151657, "<tool_call>"),
+        (151658, "</tool_call>"),
+    ]
+
+    tok = AutoTokenizer.from_pretrained(real_folder)
+    assert len(tok) == 151936
+    assert set(tok.all_special_ids) == set(control + unused)
+    decoder = tok.added_tokens_decoder
+    assert all(decoder[i].special and decoder[i].content == f"[PAD{i}]" for i in unused)
+    assert (decoder[151657].special, decoder[151658].special) == (False, False)
+    hello = tok.encode("Hello", add_special_tokens=False)
+    ids = [*hello, 151665, 151644, 151935, 151657, 151645]
+    assert tok.decode(ids, skip_special_tokens=True) == "Hello<tool_call>"
+    assert tok.decode(ids) == "Hello[PAD151665]<|im_start|>[PAD151935]<tool_call><|im_end|>"
+
+    vocab = TokenVocab.from_tokenizer(tok, 151936, [151645, 151643])
+    assert [i for i, b in enumerate(vocab.token_bytes) if b is None] == control + unused
+    assert vocab.text_bytes(ids) == b"Hello<tool_call>"
+    assert vocab.token_bytes[151657:151659] == [b"<tool_call>", b"</tool_call>"]
+    assert vocab.token_bytes[hello[0]] == b"Hello" and vocab.token_bytes[151642] is not None
 
 
 @pytest.mark.slow

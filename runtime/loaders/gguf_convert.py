@@ -38,10 +38,13 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 MARKER = "weft-converted.json"
 SHARD_BYTES = 2 * 1024**3
 # Bump when the output layout changes, so older cache folders are rebuilt.
-_FORMAT_VERSION = 1
+# 2: control and unused (padding) tokens are special in the saved tokenizer.
+_FORMAT_VERSION = 2
 _CHUNK_BYTES = 64 << 20
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _TOKEN_TYPE_CONTROL = 3
+# Token types that are no text: control tokens (<|im_end|>) and unused padding ("[PAD151665]").
+_SPECIAL_TOKEN_TYPES = (gguf.TokenType.CONTROL, gguf.TokenType.UNUSED)
 
 # GGUF per-layer tensor name -> HF name under model.layers.{i}.
 _LAYER_NAMES = {
@@ -97,6 +100,7 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) ->
     reader = _open_reader(src)
     config, entries = _plan(reader, src, dtype)
     template = _meta(reader, "tokenizer.chat_template", src, None)
+    specials = _special_tokens(reader)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -105,7 +109,7 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) ->
         _write_json(tmp / "generation_config.json", _generation_config(config))
         _write_weights(tmp, entries, dtype, desc=f"converting {src.name}")
         del reader, entries  # release the file mapping; the tokenizer step reads the file itself
-        _save_tokenizer(src, tmp, template)
+        _save_tokenizer(src, tmp, template, specials)
         _write_json(tmp / MARKER, marker)
         _publish(tmp, out, marker)
     finally:
@@ -294,6 +298,19 @@ def _end_token_ids(reader: gguf.GGUFReader, src: Path) -> list[int]:
         if bytes(tokens.parts[idx]).decode("utf-8", "replace") in END_TOKEN_TEXTS and i not in ids:
             ids.append(i)
     return ids
+
+
+def _special_tokens(reader: gguf.GGUFReader) -> dict[int, str]:
+    """Id -> text of every token the GGUF types CONTROL or UNUSED."""
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    types = reader.get_field("tokenizer.ggml.token_type")
+    if tokens is None or types is None:
+        return {}
+    return {
+        i: bytes(tokens.parts[idx]).decode("utf-8", "replace")
+        for i, (idx, kind) in enumerate(zip(tokens.data, types.contents(), strict=True))
+        if kind in _SPECIAL_TOKEN_TYPES
+    }
 
 
 def _rope_scaling(
@@ -571,13 +588,34 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
     return gen
 
 
-def _save_tokenizer(src: Path, folder: Path, template: str | None) -> None:
-    from transformers import AutoTokenizer
+def _save_tokenizer(
+    src: Path, folder: Path, template: str | None, specials: dict[int, str]
+) -> None:
+    """Build the tokenizer from the GGUF through transformers and save it to `folder`.
+
+    specials: id -> text of the GGUF's CONTROL and UNUSED tokens. transformers keeps UNUSED
+    ones (Qwen's 271 "[PADn]" rows) as plain vocabulary, so they would decode as text and a
+    grammar could emit them; here each becomes a special added token (same id) and an extra
+    special token, so `all_special_ids` lists it and skip_special_tokens drops it.
+    """
+    from transformers import AddedToken, AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     except Exception as e:  # transformers raises many types for a vocabulary it cannot build
         raise ValueError(f"cannot build a tokenizer from {src}: {e}") from e
+    named = set(tok.all_special_tokens)
+    # NOTE: an added token whose text is in the vocabulary keeps that id; a text that maps to
+    # another id (a duplicate spelling) would mark the wrong token, so it is left alone.
+    extra = [
+        AddedToken(text, special=True, normalized=False)
+        for tid, text in sorted(specials.items())
+        if text not in named and tok.convert_tokens_to_ids(text) == tid
+    ]
+    if extra:
+        # "additional_special_tokens" is read by transformers 4 and 5 (as extra_special_tokens);
+        # the positional False extends the list instead of replacing it (renamed across versions).
+        tok.add_special_tokens({"additional_special_tokens": extra}, False)
     if template:
         # transformers maps it already; set it again so a mapping change cannot drop it.
         tok.chat_template = template  # saved as chat_template.jinja
