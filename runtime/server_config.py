@@ -10,11 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from weft.runtime.config import EngineConfig, _check_choice, _help
+from weft.runtime.config import EngineConfig, _help
 
-# NOTE: grammars are not implemented yet; the flag exists so that SGLang command lines work, and a
-# request carrying a regex / json_schema / ebnf gets a clear 400 instead of being ignored.
-GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 DEFAULT_PORT = 30000
 
 
@@ -33,16 +30,9 @@ class ServerConfig(EngineConfig):
         metadata=_help("chat template file or Jinja string (default: the tokenizer's own)"),
     )
     enable_metrics: bool = field(default=False, metadata=_help("serve Prometheus /metrics"))
-    grammar_backend: str = field(
-        default="xgrammar",
-        metadata=_help(
-            "grammar backend (grammars are not implemented yet)", choices=GRAMMAR_BACKENDS
-        ),
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_choice("grammar_backend", self.grammar_backend, GRAMMAR_BACKENDS)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key == "":

@@ -205,6 +205,8 @@ def test_serve_flags_come_from_the_config(capsys):
         "--schedule-policy",
         "--disable-radix-cache",
         "--grammar-backend",
+        "--disable-cuda-graph",
+        "--cuda-graph-max-bs",
         "--api-key",
         "--served-model-name",
         "--chat-template",
@@ -213,6 +215,16 @@ def test_serve_flags_come_from_the_config(capsys):
     ):
         assert flag in text, flag
     assert "(default: 30000)" in text
+
+
+def test_server_config_keeps_the_engines_grammar_chain():
+    from weft.runtime.server_config import ServerConfig
+
+    assert ServerConfig().grammar_backends == ["xgrammar", "llguidance", "outlines"]
+    config = ServerConfig(grammar_backend="llguidance,xgrammar")
+    assert config.engine_config.grammar_backends == ["llguidance", "xgrammar"]
+    with pytest.raises(ValueError, match="grammar_backend"):
+        ServerConfig(grammar_backend="xgrammar,regexy")
 
 
 def _sglang_frontend_missing() -> str | None:
