@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, set_bits
+from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, set_bits_rows
 from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
@@ -118,10 +118,6 @@ class RequestGrammar:
     @property
     def backend_name(self) -> str:
         return self.compiled.backend.name
-
-    def finish_fill(self, bitmask: torch.Tensor, row: int) -> None:
-        can_end = self.matcher.can_end(bitmask, row)
-        set_bits(bitmask, row, self.end_ids, can_end)
 
     def accept(self, token: int) -> bool:
         if token in self.end_ids:
@@ -280,8 +276,14 @@ class GrammarManager:
             else:
                 for i in members:
                     grammars[i].matcher.fill_bitmask(bitmask, rows[i])
+        # end tokens: allowed exactly where the grammar may end (rows grouped by end-token list)
+        by_ends: dict[tuple[int, ...], tuple[list[int], list[bool]]] = {}
         for grammar, row in zip(grammars, rows, strict=True):
-            grammar.finish_fill(bitmask, row)
+            group = by_ends.setdefault(tuple(grammar.end_ids), ([], []))
+            group[0].append(row)
+            group[1].append(grammar.matcher.can_end(bitmask, row))
+        for ends, (group_rows, can_end) in by_ends.items():
+            set_bits_rows(bitmask, group_rows, list(ends), can_end)
 
     def shutdown(self) -> None:
         self._chains.shutdown()

@@ -20,6 +20,7 @@ Structural tag (JSON), SGLang's format plus three optional weft keys:
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,14 @@ def parse_spec(field: str, text: str) -> GrammarSpec:
     """A SamplingParams constraint field -> a checked spec (InvalidSpec names the field)."""
     if not isinstance(text, str):
         raise InvalidSpec(f"{field} must be a string, got {type(text).__name__}")
+    return _parse_spec(field, text)
+
+
+# NOTE: meta-validating a JSON schema takes milliseconds, and a request's spec is parsed two or
+# three times (API, SamplingParams.validate, the scheduler) while clients repeat the same few
+# schemas: cache the results (failures raise and are not cached).
+@functools.lru_cache(maxsize=256)
+def _parse_spec(field: str, text: str) -> GrammarSpec:
     if not text.strip():
         raise InvalidSpec(f"{field} is empty")
     if len(text) > MAX_SPEC_CHARS:

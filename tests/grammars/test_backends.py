@@ -266,3 +266,16 @@ def test_backends_refuse_keywords_they_would_not_enforce(managers, backend, sche
     # measured: these backends compile the keyword but let violating instances through
     with pytest.raises(GrammarError, match=f"does not enforce {keyword}"):
         managers[backend].compile(parse_spec("json_schema", json.dumps(schema)))
+
+
+def test_set_bits_rows_sets_and_clears_per_row():
+    from weft.grammars.base import set_bits_rows
+
+    bitmask = allocate_bitmask(3, 96)
+    bitmask[1].zero_()
+    ids = [33, 34, 95]  # 33 and 34 share a word
+    set_bits_rows(bitmask, [0, 1, 2], ids, [False, True, False])
+    assert [t for t in ids if bit_is_set(bitmask, 0, t)] == []
+    assert [t for t in ids if bit_is_set(bitmask, 1, t)] == ids
+    assert allowed_ids(bitmask, 1, 96) == ids  # nothing else was set
+    assert len(allowed_ids(bitmask, 2, 96)) == 96 - 3  # nothing else was cleared
