@@ -19,6 +19,10 @@ from weft.runtime.kv_pool import KVPool, ReqToTokenPool
 
 
 class AttentionBackend(ABC):
+    # whether the model runs its norms, rotary and activation through the Triton kernels too
+    # (weft.kernels; CUDA only) instead of torch ops
+    fused_layers = False
+
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token

@@ -22,6 +22,8 @@ from weft.runtime.core import ForwardBatch
 class TritonAttention(AttentionBackend):
     """Paged attention through the kernels in weft.kernels (page size 1, as the KVPool)."""
 
+    fused_layers = True
+
     def prepare(self, batch: ForwardBatch) -> None:
         self._is_decode = batch.is_decode
         if self._is_decode:

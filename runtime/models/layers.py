@@ -8,6 +8,7 @@ linears are separate classes so that a tp split drops in here without touching t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,9 +70,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual); the sum is the next residual."""
+        """Returns (norm(x + residual), x + residual); the sum is the next residual.
+        fused: one Triton kernel (CUDA) instead of the torch ops below."""
+        if fused:
+            from weft.kernels.rmsnorm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
@@ -99,6 +105,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
 
 
+@dataclass(frozen=True)
+class RopeStep:
+    """Either cos, sin [T, 1, head_dim / 2] gathered for the step's positions (torch path), or the
+    whole tables [max_pos, head_dim / 2] plus the positions (the fused Triton kernel)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None
+
+
+def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    if fused:
+        from weft.kernels.activation import silu_and_mul as fused_silu_and_mul
+
+        return fused_silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class Rotary(nn.Module):
     """Rotate-half RoPE (the HF layout) over precomputed cos/sin tables."""
 
@@ -112,14 +138,20 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.head_dim = head_dim
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim / 2] for a step (looked up once, used by every layer)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor, fused: bool = False) -> RopeStep:
+        """A step's angles (looked up once, used by every layer)."""
+        if fused:
+            return RopeStep(self.cos, self.sin, positions)
+        return RopeStep(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), None)
 
     @staticmethod
-    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [T, heads, head_dim] -> same shape and dtype."""
-        cos, sin = cos_sin
+    def rotate(x: torch.Tensor, step: RopeStep) -> torch.Tensor:
+        """x: [T, heads, head_dim] -> same shape and dtype (fused: rotated in place)."""
+        if step.positions is not None:
+            from weft.kernels.rotary import apply_rotary
+
+            return apply_rotary(x, step.cos, step.sin, step.positions, out=x)
+        cos, sin = step.cos, step.sin
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from weft.runtime.attention import AttentionBackend
@@ -14,13 +13,13 @@ from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.layers import (
     ColumnLinear,
     RMSNorm,
+    RopeStep,
     Rotary,
     RowLinear,
     linear,
     load_plain,
+    silu_and_mul,
 )
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
 
 # HF checkpoint name -> (merged parameter, shard index)
 _STACKED = {
@@ -47,7 +46,7 @@ class Attention(nn.Module):
         self.o_proj = RowLinear(q_size, cfg.hidden_size, dtype)
 
     def forward(
-        self, x: torch.Tensor, rope: RopeTables, batch: ForwardBatch, attn: AttentionBackend
+        self, x: torch.Tensor, rope: RopeStep, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.splits
@@ -68,9 +67,8 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], False, dtype)
         self.down_proj = RowLinear(inter, cfg.hidden_size, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fused))
 
 
 class DecoderLayer(nn.Module):
@@ -85,14 +83,15 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        rope: RopeTables,
+        rope: RopeStep,
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
+        fused = attn.fused_layers
+        h, residual = self.input_layernorm(x, residual, fused)
         h = self.self_attn(h, rope, batch, attn)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm(h, residual, fused)
+        return self.mlp(h, fused), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,11 +112,11 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [K, hidden] of the tokens in `batch.logits_indices`."""
         attn.prepare(batch)
         x = self.embed_tokens(batch.input_ids)
-        rope = self.rotary.lookup(batch.positions)
+        rope = self.rotary.lookup(batch.positions, attn.fused_layers)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, batch, attn)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, attn.fused_layers)
         return x[batch.logits_indices]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
