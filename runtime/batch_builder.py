@@ -29,6 +29,7 @@ def build_batch(
     positions: list[int] = []
     slots: list[torch.Tensor] = []
     rows: list[int] = []
+    token_rows: list[int] = []  # the req_to_token row of each new token
     seq_lens: list[int] = []
     prefix_lens: list[int] = []
     ext_lens: list[int] = []
@@ -41,6 +42,7 @@ def build_batch(
         positions.extend(range(start, start + n))
         assert req.req_pool_idx is not None
         rows.append(req.req_pool_idx)
+        token_rows.extend([req.req_pool_idx] * n)
         seq_lens.append(start + n)
         prefix_lens.append(start)
         ext_lens.append(n)
@@ -55,22 +57,28 @@ def build_batch(
             logits_rows.append(base + n - 1)
         plans.append(plan)
 
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
+    # NOTE: one host buffer, one copy to the device (per-field copies each cost a host sync)
+    cache_loc = torch.cat(slots)
+    fields = [ids, positions, rows, seq_lens, prefix_lens, ext_lens, logits_rows, token_rows]
+    host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+    host = torch.cat([host, cache_loc])
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)
+    parts = host.split([len(f) for f in fields] + [len(cache_loc)])
     batch = ForwardBatch(
-        input_ids=tensor(ids),
-        positions=tensor(positions),
-        out_cache_loc=torch.cat(slots).to(device),
-        req_pool_indices=tensor(rows),
-        seq_lens=tensor(seq_lens),
-        prefix_lens=tensor(prefix_lens),
-        extend_lens=tensor(ext_lens),
-        logits_indices=tensor(logits_rows),
+        input_ids=parts[0],
+        positions=parts[1],
+        out_cache_loc=parts[8],
+        req_pool_indices=parts[2],
+        seq_lens=parts[3],
+        prefix_lens=parts[4],
+        extend_lens=parts[5],
+        logits_indices=parts[6],
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=prefix_lens,
         extend_lens_cpu=ext_lens,
     )
+    memory.req_to_token.scatter(parts[7], batch.positions, batch.out_cache_loc)
     return batch, plans
 
 

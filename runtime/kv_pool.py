@@ -3,6 +3,8 @@
 Page size is one token: a slot holds the K and V of one token in every layer.
 NOTE: slot 0 is reserved, never handed out and stays zero: attention backends point padded
 positions at it, so they read harmless memory instead of another request's KV.
+The last slot (`scratch_slot`) is reserved too: padded rows of a CUDA-graph batch write their K/V
+there, so nothing a request reads is overwritten.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.size = size  # usable slots (excluding the reserved slot 0)
+        self.size = size  # usable slots (excluding the reserved slots 0 and size + 1)
         self.dtype = dtype
         self.device = device
-        shape = (size + 1, num_kv_heads, head_dim)
+        self.scratch_slot = size + 1
+        shape = (size + 2, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free = torch.arange(1, size + 1, dtype=torch.int64)
@@ -93,13 +96,20 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+    def write(self, row: int, start: int, slots: torch.Tensor, device: bool = True) -> None:
+        """Slots of positions [start, start + len(slots)) of a row. device=False writes the host
+        mirror only: the caller then writes the device table itself (see `scatter`)."""
         end = start + slots.numel()
         self._host[row, start:end] = slots
-        if self._host is not self.req_to_token:
+        if device and self._host is not self.req_to_token:
             self.req_to_token[row, start:end] = slots.to(
                 self.req_to_token.device, non_blocking=True
             )
+
+    def scatter(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], positions[i]] = slots[i] on the device, in one kernel."""
+        if self._host is not self.req_to_token:
+            self.req_to_token[rows, positions] = slots
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end) as an int64 CPU tensor."""

@@ -229,8 +229,10 @@ class Scheduler:
         sampling = [p for p in plans if p.sample_row is not None]
         if not sampling:
             return
-        rows = torch.tensor([p.sample_row for p in sampling], device=hidden.device)
-        logits = self.runner.logits(hidden[rows])
+        rows = [p.sample_row for p in sampling]
+        if rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        logits = self.runner.logits(hidden)
         reqs = [p.req for p in sampling]
         # NOTE: filled while the device computes the logits above (launched, not awaited)
         bitmask = self._fill_bitmask(reqs)
