@@ -59,6 +59,15 @@ class EngineConfig:
             choices=ATTENTION_BACKENDS,
         ),
     )
+    disable_cuda_graph: bool = field(
+        default=False, metadata=_help("run decode steps eagerly instead of from CUDA graphs")
+    )
+    cuda_graph_max_bs: int | None = field(
+        default=None,
+        metadata=_help(
+            "largest decode batch captured in a CUDA graph (default min(256, max_running_requests))"
+        ),
+    )
     grammar_backend: str = field(
         default="xgrammar,llguidance,outlines",
         metadata=_help(
@@ -88,7 +97,7 @@ class EngineConfig:
         for name in ("max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("context_length", "max_total_tokens"):
+        for name in ("context_length", "max_total_tokens", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -12,6 +12,7 @@ import torch
 from weft.runtime.attention import AttentionBackend, TorchAttention
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import ForwardBatch
+from weft.runtime.cuda_graph import CudaGraphRunner
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool
 from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
 from weft.runtime.model_config import ModelConfig
@@ -115,6 +116,7 @@ class ModelRunner:
         )
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 8, max_ctx, self.device)
         self.attention = self._attention_backend()
+        self.graphs = self._capture_graphs()
         logger.info(
             "model %s: %s, %s on %s, KV pool %d tokens (%.2f GB)",
             source.display_path,
@@ -136,6 +138,27 @@ class ModelRunner:
 
             return TritonAttention(self.kv_pool, self.req_to_token)
         return TorchAttention(self.kv_pool, self.req_to_token)
+
+    def _capture_graphs(self) -> CudaGraphRunner | None:
+        """Decode graphs on CUDA with the Triton backend (the torch backend's decode gathers a
+        [B, context] slot table per step, too large to capture at the full context)."""
+        if self.config.disable_cuda_graph or self.device.type != "cuda":
+            return None
+        from weft.runtime.triton_attention import TritonAttention
+
+        if not isinstance(self.attention, TritonAttention):
+            return None
+        max_bs = self.config.cuda_graph_max_bs or min(256, self.config.max_running_requests)
+        graphs = CudaGraphRunner(
+            self.model,
+            self.attention,
+            min(max_bs, self.config.max_running_requests),
+            self.context_length,
+            self.kv_pool.scratch_slot,
+            self.device,
+        )
+        graphs.capture()
+        return graphs
 
     def _load_weights(self, source: ModelSource) -> None:
         if source.load_format == "dummy":
@@ -173,6 +196,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [K, hidden] of the rows in batch.logits_indices."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch)
         return self.model(batch, self.attention)
 
     @torch.inference_mode()
