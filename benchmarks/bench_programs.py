@@ -56,8 +56,8 @@ INSTRUCTION = (
 
 
 @weft.function
-def few_shot(s, story: str, max_tokens: int):
-    for text, label in SHOTS:
+def few_shot(s, story: str, max_tokens: int, shots: int):
+    for text, label in (SHOTS * (shots // len(SHOTS) + 1))[:shots]:
         s += f"Story: {text}\nMood: {label}\n\n"
     s += f"Story: {story}\nMood: " + weft.select("mood", ["happy", "sad"]) + "\n"
     forks = s.fork(2)
@@ -67,7 +67,7 @@ def few_shot(s, story: str, max_tokens: int):
 
 
 @weft.function
-def fork_heavy(s, story: str, max_tokens: int):
+def fork_heavy(s, story: str, max_tokens: int, shots: int):
     s += CONTEXT + f"One day, {story} "
     forks = s.fork(4)
     for i, branch in enumerate(forks):
@@ -76,7 +76,7 @@ def fork_heavy(s, story: str, max_tokens: int):
 
 
 @weft.function
-def extract(s, story: str, max_tokens: int):
+def extract(s, story: str, max_tokens: int, shots: int):
     s += INSTRUCTION + f"Text: {story}\nJSON: "
     s += weft.gen("note", max_tokens=max_tokens * 4, json_schema=RECORD_SCHEMA)
 
@@ -84,10 +84,14 @@ def extract(s, story: str, max_tokens: int):
 WORKLOADS = {"few-shot": few_shot, "fork": fork_heavy, "json": extract}
 
 
-def inputs(n: int, seed: int, max_tokens: int) -> list[dict[str, Any]]:
+def inputs(n: int, seed: int, max_tokens: int, shots: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [
-        {"story": f"{rng.choice(SUBJECTS)} {rng.choice(EVENTS)}.", "max_tokens": max_tokens}
+        {
+            "story": f"{rng.choice(SUBJECTS)} {rng.choice(EVENTS)}.",
+            "max_tokens": max_tokens,
+            "shots": shots,
+        }
         for _ in range(n)
     ]
 
@@ -112,9 +116,16 @@ def main() -> None:
     parser.add_argument("--num-programs", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shots", type=int, default=8, help="few-shot examples (prefix length)")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights (GPU runs)")
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool per engine")
     parser.add_argument("--workload", choices=list(WORKLOADS), nargs="+", default=list(WORKLOADS))
     args = parser.parse_args()
-    common = dict(show_progress=False, log_level="warning")
+    common: dict[str, Any] = dict(
+        show_progress=False, log_level="warning", load_format=args.load_format
+    )
+    if args.max_total_tokens:
+        common["max_total_tokens"] = args.max_total_tokens
     engines = {
         "cache on": weft.Engine(args.model_path, **common),
         "cache off": weft.Engine(args.model_path, disable_radix_cache=True, **common),
@@ -122,7 +133,7 @@ def main() -> None:
     device = engines["cache on"].runner.device
     print(f"# {describe_device(device)}; model {args.model_path or 'default (Qwen2.5 0.5B)'}")
     print(f"# {args.num_programs} programs per workload, up to {args.max_tokens} tokens per gen")
-    batch = inputs(args.num_programs, args.seed, args.max_tokens)
+    batch = inputs(args.num_programs, args.seed, args.max_tokens, args.shots)
     print(f"{'workload':<9} {'engine':<10} {'programs/s':>10} {'computed tok':>13} {'speed-up':>9}")
     try:
         for name in args.workload:
