@@ -103,7 +103,11 @@ class LLGuidanceBackend(GrammarBackend):
             if spec.kind == "ebnf":
                 if _gbnf_to_lark is None:
                     raise GrammarUnsupported("this llguidance has no GBNF reader")
-                return str(M.grammar_from_lark(_gbnf_to_lark(spec.text)))
+                try:
+                    lark = _gbnf_to_lark(spec.text)
+                except Exception as exc:  # NOTE: the converter raises bare Exception subclasses
+                    raise GrammarUnsupported(f"not a valid EBNF grammar: {exc}") from None
+                return str(M.grammar_from_lark(lark))
             if spec.kind == "choices":
                 return str(M.grammar_from_lark(choices_lark(spec.value)))
             if spec.kind == "structural_tag":

@@ -220,6 +220,10 @@ class GrammarManager:
                 refused.append(f"{name}: compile timed out after {self.timeout_s:g} s")
                 logger.warning("grammar compile timed out on %s: %s", name, spec.describe())
                 continue
+            except Exception as exc:  # a backend that fails on a user's grammar refuses it
+                refused.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:500]}")
+                logger.warning("grammar backend %s failed on %s: %r", name, spec.describe(), exc)
+                continue
             return Compiled(backend, grammar, spec, time.perf_counter() - start, refused)
         raise GrammarError(f"cannot compile the {spec.kind}: " + "; ".join(refused))
 

@@ -279,3 +279,25 @@ def test_set_bits_rows_sets_and_clears_per_row():
     assert [t for t in ids if bit_is_set(bitmask, 1, t)] == ids
     assert allowed_ids(bitmask, 1, 96) == ids  # nothing else was set
     assert len(allowed_ids(bitmask, 2, 96)) == 96 - 3  # nothing else was cleared
+
+
+@pytest.mark.parametrize("text", ["root ::= undefined_rule", "this is not a grammar"])
+def test_a_bad_ebnf_is_refused_by_every_backend_with_its_reason(stories_tokenizer, text):
+    from weft.grammars.manager import GrammarError, GrammarManager
+    from weft.grammars.spec import parse_spec
+    from weft.grammars.vocab import TokenVocab
+
+    manager = GrammarManager(
+        lambda: TokenVocab.from_tokenizer(stories_tokenizer, 512, [2]),
+        order=["xgrammar", "llguidance", "outlines"],
+        timeout_s=30,
+    )
+    try:
+        with pytest.raises(GrammarError) as err:
+            manager.compile(parse_spec("ebnf", text))
+    finally:
+        manager.shutdown()
+    message = str(err.value)
+    assert message.startswith("cannot compile the ebnf: xgrammar: ")
+    assert "; llguidance: not a valid EBNF grammar: " in message
+    assert "; outlines: outlines-core cannot compile EBNF" in message
