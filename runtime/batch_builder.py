@@ -22,9 +22,16 @@ class RowPlan:
 
 
 def build_batch(
-    work: list[tuple[Req, int]], memory: MemoryManager, device: torch.device
+    work: list[tuple[Req, int]],
+    memory: MemoryManager,
+    device: torch.device,
+    pending_ids: torch.Tensor | None = None,
 ) -> tuple[ForwardBatch, list[RowPlan]]:
-    """Allocates the step's KV slots and lays the requests' new tokens out contiguously."""
+    """Allocates the step's KV slots and lays the requests' new tokens out contiguously.
+
+    pending_ids: the previous step's sampled ids on the device (overlap schedule); a request's
+    pending token (`Req.pending`) is read from there, on the device, not from the host.
+    """
     ids: list[int] = []
     positions: list[int] = []
     slots: list[torch.Tensor] = []
@@ -35,10 +42,18 @@ def build_batch(
     ext_lens: list[int] = []
     logits_rows: list[int] = []
     plans = []
+    future_at: list[int] = []  # positions in ids of pending tokens ...
+    future_rows: list[int] = []  # ... and their rows in pending_ids
     for req, n in work:
         start = req.kv_len
         slots.append(memory.allocate(req, n))
-        ids.extend(req.tokens(start, start + n))
+        if req.pending is not None and start + n == req.seq_len:
+            ids.extend(req.tokens(start, start + n - 1))
+            future_at.append(len(ids))
+            future_rows.append(req.pending[1])
+            ids.append(0)  # placeholder, replaced on the device below
+        else:
+            ids.extend(req.tokens(start, start + n))
         positions.extend(range(start, start + n))
         assert req.req_pool_idx is not None
         rows.append(req.req_pool_idx)
@@ -60,6 +75,7 @@ def build_batch(
     # NOTE: one host buffer, one copy to the device (per-field copies each cost a host sync)
     cache_loc = torch.cat(slots)
     fields = [ids, positions, rows, seq_lens, prefix_lens, ext_lens, logits_rows, token_rows]
+    fields += [future_at, future_rows]
     host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
     host = torch.cat([host, cache_loc])
     if device.type == "cuda":
@@ -68,7 +84,7 @@ def build_batch(
     batch = ForwardBatch(
         input_ids=parts[0],
         positions=parts[1],
-        out_cache_loc=parts[8],
+        out_cache_loc=parts[10],
         req_pool_indices=parts[2],
         seq_lens=parts[3],
         prefix_lens=parts[4],
@@ -79,6 +95,9 @@ def build_batch(
         extend_lens_cpu=ext_lens,
     )
     memory.req_to_token.scatter(parts[7], batch.positions, batch.out_cache_loc)
+    if future_at:
+        assert pending_ids is not None, "a request has a pending token but no ids were given"
+        batch.input_ids[parts[8]] = pending_ids[parts[9]]
     return batch, plans
 
 

@@ -68,6 +68,12 @@ class EngineConfig:
             "largest decode batch captured in a CUDA graph (default min(256, max_running_requests))"
         ),
     )
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata=_help(
+            "on CUDA, do not prepare the next step while the device runs the current one"
+        ),
+    )
     grammar_backend: str = field(
         default="xgrammar,llguidance,outlines",
         metadata=_help(

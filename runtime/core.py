@@ -70,6 +70,9 @@ class Req:
     group_rid: str | None = None  # n > 1: the rid the caller knows; index = which sample
     index: int = 0
     generator: torch.Generator | None = None
+    # overlap schedule: (step, row) of the sampled token not yet read back from the device; it
+    # counts in seq_len (the next step already feeds it to the model from the device)
+    pending: tuple[int, int] | None = None
     # constrained decoding: the spec's compile job, then the request's matcher
     grammar_future: Any = None
     grammar: Any = None  # weft.grammars.manager.RequestGrammar
@@ -107,7 +110,7 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
+        return len(self.input_ids) + len(self.output_ids) + (self.pending is not None)
 
     @property
     def finished(self) -> bool:
@@ -115,7 +118,8 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+        done = len(self.output_ids) + (self.pending is not None)
+        return max(self.params.max_new_tokens - done, 0)
 
     def prefix_match_limit(self) -> int:
         """How many leading tokens may come from the prefix cache.

@@ -32,13 +32,23 @@ def sample(
 ) -> Sampled:
     """logits: [B, V] float32, one row per request in `reqs` (rows may be modified).
     bitmask: (int32 [B, ceil(V/32)], the rows it constrains) for grammar-constrained requests."""
+    return read_back(*sample_on_device(logits, reqs, end_ids, bitmask), reqs)
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    reqs: list[Req],
+    end_ids: frozenset[int],
+    bitmask: tuple[torch.Tensor, list[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sample` without reading the result back: (token ids [B], raw logprobs [B, V] or None),
+    launched on the logits' device (no host sync on the fused CUDA path)."""
     want_logprobs = any(r.logprob is not None for r in reqs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     _apply_penalties(logits, reqs)
     _block_early_stop(logits, reqs, end_ids)
     if logits.is_cuda and USE_FUSED_KERNEL and HAS_TRITON:
-        chosen = _sample_fused(logits, reqs, bitmask)
-        return _result(chosen, reqs, raw_logprobs)
+        return _sample_fused(logits, reqs, bitmask), raw_logprobs
     if bitmask is not None:
         apply_bitmask(logits, *bitmask)
 
@@ -49,11 +59,11 @@ def sample(
         probs = _filtered_probs(logits[rows], [reqs[i] for i in sampled_rows])
         for j, i in enumerate(sampled_rows):
             chosen[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
+    return chosen, raw_logprobs
 
-    return _result(chosen, reqs, raw_logprobs)
 
-
-def _result(chosen: torch.Tensor, reqs: list[Req], raw_logprobs: torch.Tensor | None) -> Sampled:
+def read_back(chosen: torch.Tensor, raw_logprobs: torch.Tensor | None, reqs: list[Req]) -> Sampled:
+    """The host lists of a `sample_on_device` result (waits for the device)."""
     ids = chosen.tolist()
     if raw_logprobs is None:
         return Sampled(ids, None, None)
@@ -83,15 +93,21 @@ def _sample_fused(
             for p, r in zip(params, reqs, strict=True)
         ]
     )
-    host = torch.tensor(
-        [[p.temperature, p.top_p, p.min_p, p.top_k] for p in params], dtype=torch.float32
-    ).to(device, non_blocking=True)
+    # NOTE: pinned: a copy from pageable memory may wait for the stream (the forward in flight
+    # under the overlap schedule)
+    host = (
+        torch.tensor(
+            [[p.temperature, p.top_p, p.min_p, p.top_k] for p in params], dtype=torch.float32
+        )
+        .pin_memory()
+        .to(device, non_blocking=True)
+    )
     words, constrained = None, None
     if bitmask is not None:
         words, rows = bitmask
         flags = torch.zeros(len(reqs), dtype=torch.bool)
         flags[rows] = True
-        constrained = flags.to(device, non_blocking=True)
+        constrained = flags.pin_memory().to(device, non_blocking=True)
     ids, _ = masked_sample(
         logits.float().contiguous(),
         words,

@@ -27,7 +27,7 @@ from weft.runtime.core import FinishReason, Req
 from weft.runtime.memory import MemoryManager
 from weft.runtime.model_runner import ModelRunner
 from weft.runtime.output_processor import OutputProcessor
-from weft.runtime.sampler import sample
+from weft.runtime.sampler import read_back, sample_on_device
 
 # Share of a running request's remaining max_new_tokens reserved when admitting new requests;
 # decays while decoding goes well, jumps back after a retraction (as in SGLang).
@@ -40,6 +40,16 @@ IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens wit
 # NOTE: internal rids (n > 1 children, the shared prompt) join the caller's rid with a character
 # that request ids in practice never contain, so they cannot collide with a caller's own rid.
 RID_SEP = "\x1f"
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step whose sampled tokens are still on the device."""
+
+    step: int
+    reqs: list[Req]  # row i of `ids` is reqs[i]'s token
+    ids: torch.Tensor  # [K] int64, on the device
+    raw_logprobs: torch.Tensor | None
 
 
 class Scheduler:
@@ -72,6 +82,11 @@ class Scheduler:
         self.num_steps = 0
         self.num_tokens_computed = 0  # tokens through the model (prefill + decode)
         self.peak_running = 0
+        # NOTE: on CPUs the "device" is this thread: overlapping would only delay the outputs
+        self.overlap = runner.device.type == "cuda" and not config.disable_overlap_schedule
+        self._inflight: _InFlight | None = None
+        self._resolved: list[Req] = []  # got a token or finished since the last step returned
+        self.num_overlapped_steps = 0  # forwards launched before the previous tokens were read
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -171,6 +186,9 @@ class Scheduler:
         """Abort by rid (or every child of an n > 1 group). Returns whether anything matched."""
         queues = (self.running, self.waiting, self.grammar_wait)
         hit = [r for q in queues for r in q if rid in (r.rid, r.group_rid)]
+        if hit and self._inflight is not None:
+            self._resolve()  # release() needs every token of the request on the host
+            hit = [r for r in hit if not r.finished]
         for req in hit:
             next(q for q in queues if req in q).remove(req)
             self.memory.release(req)
@@ -180,13 +198,26 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._reported or self.grammar_wait)
+        return bool(
+            self.waiting
+            or self.running
+            or self._reported
+            or self.grammar_wait
+            or self._inflight is not None
+            or self._resolved
+        )
 
     # ---- the loop body --------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[Req]:
-        """One iteration; returns the (visible) requests that got a token or finished."""
+        """One iteration; returns the (visible) requests that got a token or finished.
+
+        Overlap schedule (CUDA): the step's forward is launched before the previous step's
+        sampled tokens are read back; reading them (and appending, detokenizing, grammar
+        accepts) then runs while the device computes. The forward takes a decode request's
+        pending token from the device (`build_batch`'s pending_ids).
+        """
         updates = [r for r in self._reported if not r.hidden]
         for req in updates:
             self.output.mark_reported(req)
@@ -195,38 +226,50 @@ class Scheduler:
             self._poll_grammars()
         work = self._schedule()
         if not work:
-            if self.grammar_wait and not updates:
+            if self._inflight is not None:
+                self._resolve()
+            elif self.grammar_wait and not updates:
                 self._wait_for_grammars()
-            return updates
-        batch, plans = build_batch(work, self.memory, self.runner.device)
+            return updates + self._take_resolved()
+        prev = self._inflight
+        batch, plans = build_batch(
+            work, self.memory, self.runner.device, prev.ids if prev is not None else None
+        )
         hidden = self.runner.forward(batch)
-        self._read_outputs(hidden, plans)
+        for plan in plans:
+            plan.req.kv_len += plan.num_tokens
         self.num_steps += 1
         self.num_tokens_computed += batch.num_tokens
+        if prev is not None:
+            self.num_overlapped_steps += 1
+            self._resolve()  # the previous step's tokens, while the device runs this forward
+        self._launch(hidden, plans)
+        if not self.overlap:
+            self._resolve()
         self.peak_running = max(self.peak_running, len(self.running))
-        for plan in plans:
-            req = plan.req
-            if req.finished:
-                self.running.remove(req)
-                self.memory.release(req)
-            elif plan.num_tokens > 1:
-                self.memory.cache_progress(req)  # others may share this prefill from now on
-            if not req.hidden and (plan.sample_row is not None or req.finished):
-                self.output.mark_reported(req)
-                updates.append(req)
         self.new_token_ratio = max(
             self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO
         )
-        return updates
+        return updates + self._take_resolved()
 
-    def _read_outputs(self, hidden: torch.Tensor, plans: list[RowPlan]) -> None:
+    def _launch(self, hidden: torch.Tensor, plans: list[RowPlan]) -> None:
+        """Prompt logprobs, prefill progress into the cache, then sampling (not read back)."""
         for plan in plans:
-            plan.req.kv_len += plan.num_tokens
+            req = plan.req
             if plan.prompt_rows:
                 self._score_prompt(hidden, plan)
-            if plan.sample_row is None and plan.req.kv_len == plan.req.seq_len:
-                self.output.finish(plan.req, FinishReason("length"))  # max_new_tokens == 0
-        sampling = [p for p in plans if p.sample_row is not None]
+            if plan.sample_row is None and req.kv_len == req.seq_len and not req.finished:
+                self._end(req, FinishReason("length"))  # max_new_tokens == 0
+            elif plan.num_tokens > 1 and not req.finished:
+                self.memory.cache_progress(req)  # others may share this prefill from now on
+        # NOTE: a row is sampled only if its request is still live and fully computed: under the
+        # overlap schedule it may have finished, or grown by jump-forward text, since this step
+        # was built.
+        sampling = [
+            p
+            for p in plans
+            if p.sample_row is not None and not p.req.finished and p.req.kv_len == p.req.seq_len
+        ]
         if not sampling:
             return
         rows = [p.sample_row for p in sampling]
@@ -234,10 +277,25 @@ class Scheduler:
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
         logits = self.runner.logits(hidden)
         reqs = [p.req for p in sampling]
-        # NOTE: filled while the device computes the logits above (launched, not awaited)
+        # NOTE: filled while the device computes the forward and the logits (launched, not awaited)
         bitmask = self._fill_bitmask(reqs)
-        result = sample(logits, reqs, self.end_ids, bitmask)
+        ids, raw_logprobs = sample_on_device(logits, reqs, self.end_ids, bitmask)
+        step = self.num_steps
         for i, req in enumerate(reqs):
+            req.pending = (step, i)
+        self._inflight = _InFlight(step, reqs, ids, raw_logprobs)
+
+    def _resolve(self) -> None:
+        """Read back the in-flight step's tokens and append them (the requests that got one or
+        finished go to `_resolved`)."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        result = read_back(flight.ids, flight.raw_logprobs, flight.reqs)
+        for i, req in enumerate(flight.reqs):
+            if req.pending != (flight.step, i):
+                continue  # aborted or retracted meanwhile
+            req.pending = None
             logprob = result.logprobs[i] if result.logprobs and req.logprob else None
             top = result.top[i] if result.top else None
             token = result.token_ids[i]
@@ -245,6 +303,26 @@ class Scheduler:
                 self.output.append_token(req, token, logprob, top)
             else:
                 self._append_constrained(req, token, logprob, top)
+            if req.finished:
+                self._end(req, None)
+            elif not req.hidden:
+                self.output.mark_reported(req)
+                self._resolved.append(req)
+
+    def _end(self, req: Req, reason: FinishReason | None) -> None:
+        """A running request is done: free its KV and report it."""
+        if reason is not None:
+            self.output.finish(req, reason)
+        if req in self.running:
+            self.running.remove(req)
+            self.memory.release(req)
+        if not req.hidden:
+            self.output.mark_reported(req)
+            self._resolved.append(req)
+
+    def _take_resolved(self) -> list[Req]:
+        done, self._resolved = self._resolved, []
+        return done
 
     def _fill_bitmask(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask rows [len(reqs), W] on the logits' device, the constrained rows) or None."""
@@ -298,7 +376,7 @@ class Scheduler:
         committed = 0
         for req in self.running:
             remaining = req.seq_len - req.kv_len
-            if remaining == 1:
+            if remaining == 1 and not self._ends_with_pending(req):
                 work.append((req, 1))
                 committed += 1
         for req in self.running:  # partially prefilled requests continue first
@@ -311,14 +389,25 @@ class Scheduler:
                 budget -= n
                 committed += n
         work += self._admit(budget, committed)
+        if not work and self._inflight is not None:
+            return work  # the in-flight step's tokens come first (they may end requests)
         if not work and len(self.running) > 1:
             # NOTE: prefills that hold all memory and cannot progress: free the least advanced.
             self._retract(min(self.running, key=lambda r: r.kv_len))
             return self._schedule()
         return work
 
+    def _ends_with_pending(self, req: Req) -> bool:
+        """Whether the pending token is known to be the request's last (no step for it)."""
+        return req.pending is not None and (
+            req.remaining_new_tokens == 0 or req.seq_len >= self.max_seq_len
+        )
+
     def _make_room_for_decode(self) -> None:
         need = sum(1 for r in self.running if r.seq_len - r.kv_len == 1)
+        if need > self.memory.available and self._inflight is not None:
+            self._resolve()  # a retracted request must have its tokens on the host
+            need = sum(1 for r in self.running if r.seq_len - r.kv_len == 1)
         while need > self.memory.available and len(self.running) > 1:
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             need -= 1 if victim.seq_len - victim.kv_len == 1 else 0

@@ -1,0 +1,113 @@
+"""The overlap schedule (on by default on CUDA) gives the outputs of the plain one. On this CPU it
+is forced on: the logic is the same, only the device work is not asynchronous here."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+
+import pytest
+
+from conftest import make_engine
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(4, 24))] for _ in range(n)]
+
+
+def _overlapped(engine):
+    engine.scheduler.overlap = True
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(stories_dir):
+    return make_engine(stories_dir, max_total_tokens=8192, disable_overlap_schedule=True)
+
+
+@pytest.fixture(scope="module")
+def overlap(stories_dir):
+    return _overlapped(make_engine(stories_dir, max_total_tokens=8192))
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x["output_ids"] == y["output_ids"]
+        assert x["text"] == y["text"]
+        assert x["meta_info"]["finish_reason"] == y["meta_info"]["finish_reason"]
+
+
+def test_mixed_lengths_stops_and_end_tokens(plain, overlap):
+    prompts = [[1] + p[1:] for p in _prompts(8, seed=1)]
+    params = [
+        {"temperature": 0, "max_new_tokens": n, **extra}
+        for n, extra in zip(
+            [1, 2, 3, 17, 60, 200, 200, 90],
+            [{}, {}, {"stop": ["."]}, {}, {"stop": [" the"]}, {}, {"stop_token_ids": [13]}, {}],
+            strict=True,
+        )
+    ]
+    want = plain.generate(input_ids=prompts, sampling_params=params)
+    got = overlap.generate(input_ids=prompts, sampling_params=params)
+    _same(got, want)
+    reasons = {o["meta_info"]["finish_reason"]["type"] for o in got}
+    assert reasons == {"length", "stop"}
+    assert overlap.scheduler.num_overlapped_steps > 150
+    assert plain.scheduler.num_overlapped_steps == 0
+
+
+def test_logprobs_and_seeded_samples(plain, overlap):
+    prompts = _prompts(3, seed=2)
+    params = {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 24, "seed": 7, "n": 2}
+    kw = {"return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
+    want = plain.generate(input_ids=prompts, sampling_params=params, **kw)
+    got = overlap.generate(input_ids=prompts, sampling_params=params, **kw)
+    _same(got, want)
+    for x, y in zip(got, want, strict=True):
+        assert x["meta_info"]["output_token_logprobs"] == y["meta_info"]["output_token_logprobs"]
+        assert x["meta_info"]["input_token_logprobs"] == y["meta_info"]["input_token_logprobs"]
+
+
+def test_retraction_under_a_tiny_pool(stories_dir, plain):
+    prompts = _prompts(8)
+    greedy = {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
+    want = plain.generate(input_ids=prompts, sampling_params=greedy)
+    tiny = _overlapped(make_engine(stories_dir, max_total_tokens=400))
+    got = tiny.generate(input_ids=prompts, sampling_params=greedy)
+    assert tiny.scheduler.num_retractions > 0
+    _same(got, want)
+    tiny.check_integrity()
+    tiny.shutdown()
+
+
+def test_constrained_with_jump_forward(plain, overlap):
+    regex = r"The (cat|dog) sat on the (mat|log) and (slept|ate)\."
+    params = {"temperature": 0, "max_new_tokens": 40, "regex": regex}
+    prompts = ["Once upon a time", "One day", "Lily"]
+    want = plain.generate(prompts, params)
+    got = overlap.generate(prompts, params)
+    _same(got, want)
+    assert all(re.fullmatch(regex, o["text"]) for o in got)
+    assert all(o["meta_info"]["jump_forward_tokens"] > 0 for o in got)
+
+
+def test_abort_while_a_step_is_in_flight(overlap):
+    async def run():
+        task = asyncio.ensure_future(
+            overlap.async_generate(
+                input_ids=_prompts(1, seed=5)[0],
+                rid="victim",
+                sampling_params={"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+            )
+        )
+        await asyncio.sleep(0.05)
+        overlap.abort("victim")
+        return await task
+
+    out = asyncio.run(run())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 400
+    overlap.call(lambda: None)  # let the abort land
+    assert overlap.memory_stats()["in_use"] == 0
