@@ -131,35 +131,46 @@ class RequestGrammar:
     def jump_forward(self) -> bytes:
         return b"" if self.ended else self.matcher.jump_forward()
 
-    def jump_forward_from(self, token: int) -> list[int]:
+    def jump_forward_from(self, token: int, keep_token: bool = False) -> list[int]:
         """The just-accepted `token` plus the text the grammar forces after it, re-tokenized
         together (so the boundary is tokenized as the tokenizer would: '"' + 'name": ' ->
         '"name', ...). Falls back to [token] when the joint tokens do not spell the same bytes
-        or the grammar refuses them."""
+        or the grammar refuses them.
+
+        keep_token: `token` is already in the model's context (the overlap schedule fed it to the
+        next step before this ran), so it stays first and only the forced text is tokenized.
+        """
         forced = self.jump_forward()
         vocab = self.compiled.backend.vocab
         if not forced or vocab.tokenizer is None:
             return [token]
         head = vocab.token_bytes[token] or b""
         try:
-            text = (head + forced).decode("utf-8")
+            text = (forced if keep_token else head + forced).decode("utf-8")
         except UnicodeDecodeError:
             return [token]  # the forced text ends inside a character: next time
         ids = list(vocab.tokenizer.encode(text, add_special_tokens=False))
+        if keep_token:
+            ids = [token] + ids
         if len(ids) < 2 or vocab.text_bytes(ids) != head + forced:
             return [token]
-        self.rollback(1)
-        accepted = 0
-        for tid in ids:
-            if not self.accept(tid):
-                break
-            accepted += 1
-        if accepted < len(ids):
-            self.rollback(accepted)
-            self.accept(token)
+        new = ids[1:] if keep_token else ids
+        if not keep_token:
+            self.rollback(1)
+        if not self._accept_all(new):
+            if not keep_token:
+                self.accept(token)
             return [token]
         self.jump_forward_tokens += len(ids) - 1
         return ids
+
+    def _accept_all(self, ids: list[int]) -> bool:
+        """Accept every id, or none (rolled back)."""
+        for accepted, tid in enumerate(ids):
+            if not self.accept(tid):
+                self.rollback(accepted)
+                return False
+        return True
 
 
 class GrammarManager:

@@ -302,7 +302,10 @@ class Scheduler:
             if req.grammar is None:
                 self.output.append_token(req, token, logprob, top)
             else:
-                self._append_constrained(req, token, logprob, top)
+                # NOTE: the step launched just before this read-back may have fed the token to
+                # the model already (its KV is being written): jump-forward must keep it
+                fed = req.kv_len > len(req.input_ids) + len(req.output_ids)
+                self._append_constrained(req, token, logprob, top, fed)
             if req.finished:
                 self._end(req, None)
             elif not req.hidden:
@@ -340,7 +343,12 @@ class Scheduler:
         return bitmask.to(self.runner.device, non_blocking=True), rows
 
     def _append_constrained(
-        self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None
+        self,
+        req: Req,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[float, int]] | None,
+        fed: bool,
     ) -> None:
         grammar: RequestGrammar = req.grammar
         if token < 0 or not grammar.accept(token):
@@ -350,7 +358,7 @@ class Scheduler:
             return
         tokens = [token]
         if not self.config.disable_jump_forward and req.logprob is None and not grammar.ended:
-            tokens = grammar.jump_forward_from(token)
+            tokens = grammar.jump_forward_from(token, keep_token=fed)
         for i, tid in enumerate(tokens):
             if req.finished:
                 break

@@ -82,15 +82,47 @@ def test_retraction_under_a_tiny_pool(stories_dir, plain):
     tiny.shutdown()
 
 
-def test_constrained_with_jump_forward(plain, overlap):
-    regex = r"The (cat|dog) sat on the (mat|log) and (slept|ate)\."
-    params = {"temperature": 0, "max_new_tokens": 40, "regex": regex}
-    prompts = ["Once upon a time", "One day", "Lily"]
-    want = plain.generate(prompts, params)
-    got = overlap.generate(prompts, params)
+REGEX = r'\{"name": "[a-z]{1,8}", "mood": "(happy|sad)", "place": "[a-z ]{1,12}"\}'
+PROMPTS = ["Once upon a time", "One day", "Lily", "Tom was", "The sun"]
+
+
+def test_constrained_outputs_match_without_jump_forward(plain, overlap):
+    params = {"temperature": 0, "max_new_tokens": 60, "regex": REGEX}
+    for engine in (plain, overlap):
+        engine.scheduler.config = engine.scheduler.config.replace(disable_jump_forward=True)
+    try:
+        want = plain.generate(PROMPTS, params)
+        got = overlap.generate(PROMPTS, params)
+    finally:
+        for engine in (plain, overlap):
+            engine.scheduler.config = engine.scheduler.config.replace(disable_jump_forward=False)
     _same(got, want)
-    assert all(re.fullmatch(regex, o["text"]) for o in got)
-    assert all(o["meta_info"]["jump_forward_tokens"] > 0 for o in got)
+    assert all(re.fullmatch(REGEX, o["text"]) for o in got)
+
+
+def test_jump_forward_keeps_the_kv_of_a_token_already_fed(stories_dir, overlap):
+    # Under the overlap schedule a sampled token is fed to the next step before the host sees
+    # it; jump-forward must then keep it (re-tokenizing it with the forced text would leave KV
+    # computed for another token). Check: the KV cached for each output gives the same next-
+    # token logprobs as a recomputation from scratch.
+    params = {"temperature": 0, "max_new_tokens": 60, "regex": REGEX}
+    prompts = [overlap.tokenizer.encode(p) for p in PROMPTS]
+    outs = overlap.generate(input_ids=prompts, sampling_params=params)
+    assert all(re.fullmatch(REGEX, o["text"]) for o in outs)
+    assert all(o["meta_info"]["jump_forward_tokens"] > 0 for o in outs)
+    full = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
+    probe = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+    kw = {"return_logprob": True, "top_logprobs_num": 5}
+    cached = overlap.generate(input_ids=full, sampling_params=probe, **kw)
+    fresh = make_engine(stories_dir, max_total_tokens=8192, disable_radix_cache=True)
+    recomputed = fresh.generate(input_ids=full, sampling_params=probe, **kw)
+    fresh.shutdown()
+    for c, r, ids in zip(cached, recomputed, full, strict=True):
+        assert c["meta_info"]["cached_tokens"] == len(ids) - 1
+        got = c["meta_info"]["output_top_logprobs"][0]
+        want = r["meta_info"]["output_top_logprobs"][0]
+        assert [t[1] for t in got] == [t[1] for t in want]
+        assert [t[0] for t in got] == pytest.approx([t[0] for t in want], abs=1e-4)
 
 
 def test_abort_while_a_step_is_in_flight(overlap):
