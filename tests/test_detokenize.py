@@ -8,8 +8,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import fixture_path
 from weft.runtime.detokenize import IncrementalDecoder
+
+from conftest import fixture_path
 
 TEXT = (
     "Héllo wörld! 你好，世界。 Emoji: 🦙🚀 — “quotes”, tabs\tand\nnewlines;  double  spaces, "
