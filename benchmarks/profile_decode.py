@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--enable-overlap-schedule", action="store_true")
+    p.add_argument("--trace", default=None, help="write the profiled steps as a Chrome trace")
     p.add_argument("--no-profile", action="store_true", help="print the step time only")
     p.add_argument("--host", action="store_true", help="cProfile the host side instead")
     p.add_argument(
@@ -103,7 +104,9 @@ def main() -> None:
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        run(8, "p")
+        run(min(args.steps, 16), "p")
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     key = "cuda_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=18))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

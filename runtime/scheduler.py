@@ -27,7 +27,7 @@ from weft.runtime.core import FinishReason, Req
 from weft.runtime.memory import MemoryManager
 from weft.runtime.model_runner import ModelRunner
 from weft.runtime.output_processor import OutputProcessor
-from weft.runtime.sampler import read_back, sample_on_device
+from weft.runtime.sampler import Sampled, read_back, sample_on_device
 
 # Share of a running request's remaining max_new_tokens reserved when admitting new requests;
 # decays while decoding goes well, jumps back after a retraction (as in SGLang).
@@ -50,6 +50,10 @@ class _InFlight:
     reqs: list[Req]  # row i of `ids` is reqs[i]'s token
     ids: torch.Tensor  # [K] int64, on the device
     raw_logprobs: torch.Tensor | None
+    # overlap on CUDA: `ids` copied to pinned memory right behind the sampling, and its event
+    host_ids: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    result: Sampled | None = None  # read at launch (requests that want logprobs)
 
 
 class Scheduler:
@@ -283,7 +287,17 @@ class Scheduler:
         step = self.num_steps
         for i, req in enumerate(reqs):
             req.pending = (step, i)
-        self._inflight = _InFlight(step, reqs, ids, raw_logprobs)
+        flight = _InFlight(step, reqs, ids, raw_logprobs)
+        if self.overlap and raw_logprobs is not None:
+            flight.result = read_back(ids, raw_logprobs, reqs)  # rare: no overlap for this step
+        elif self.overlap and ids.is_cuda:
+            # NOTE: queue the copy to the host right behind the sampling: a read-back queued
+            # later (.tolist() in _resolve) would wait behind the next step's forward as well
+            flight.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            flight.host_ids.copy_(ids, non_blocking=True)
+            flight.ready = torch.cuda.Event()
+            flight.ready.record()
+        self._inflight = flight
 
     def _resolve(self) -> None:
         """Read back the in-flight step's tokens and append them (the requests that got one or
@@ -291,7 +305,13 @@ class Scheduler:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
-        result = read_back(flight.ids, flight.raw_logprobs, flight.reqs)
+        if flight.result is not None:
+            result = flight.result
+        elif flight.ready is not None and flight.host_ids is not None:
+            flight.ready.synchronize()
+            result = Sampled(flight.host_ids.tolist(), None, None)
+        else:
+            result = read_back(flight.ids, flight.raw_logprobs, flight.reqs)
         for i, req in enumerate(flight.reqs):
             if req.pending != (flight.step, i):
                 continue  # aborted or retracted meanwhile
