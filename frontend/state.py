@@ -106,6 +106,14 @@ class _ForkPoint:
         return f"Fork({len(self.children)})"
 
 
+class _JoinPoint:
+    def __init__(self, children: list[ProgramState]) -> None:
+        self.children = children
+
+    def __repr__(self) -> str:
+        return f"Join({len(self.children)})"
+
+
 class _RoleBlock:
     def __init__(self, state: ProgramState, role: str) -> None:
         self.state = state
@@ -128,13 +136,10 @@ class ForkGroup(list["ProgramState"]):
         self.parent = parent
 
     def join(self) -> None:
-        for s in self:
-            s._sync()
-        names = [n for n in self[0]._vars if all(n in s._vars for s in self)]
-        for n in names:
-            if any(s._vars[n] is not self.parent._vars.get(n) for s in self):
-                self.parent._vars[n] = [s._vars[n] for s in self]
-                self.parent._meta[n] = [s._meta.get(n) for s in self]
+        """Queued on the parent like any other step, so the program's body goes on (the other
+        programs of a batch keep running on the loop); reading the parent waits for it.
+        NOTE: joining here by blocking would run a batch's programs one at a time."""
+        self.parent._push([_JoinPoint(list(self))])
 
 
 class ProgramState:
@@ -147,7 +152,7 @@ class ProgramState:
         self._messages: list[Message] = []
         self._role: _OpenRole | None = None
         self._outside_roles = False  # text was added outside any role
-        self._pending: deque[Node | _ForkPoint] = deque()
+        self._pending: deque[Node | _ForkPoint | _JoinPoint] = deque()
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
@@ -271,7 +276,7 @@ class ProgramState:
 
     # ---- the interpreter -------------------------------------------------------------------------
 
-    def _push(self, nodes: list[Node | _ForkPoint]) -> None:
+    def _push(self, nodes: list[Node | _ForkPoint | _JoinPoint]) -> None:
         if self._error is not None:
             raise self._error
         self._pending.extend(nodes)
@@ -444,6 +449,15 @@ class ProgramState:
             at = _seam(prefix_ids, [tid for _, tid in entries], 0)
             assert at is not None
         return [lp for lp, _ in entries[at - start :] if lp is not None]
+
+    async def _run_JoinPoint(self, node: _JoinPoint) -> None:
+        for s in node.children:
+            await s.wait()
+        names = [n for n in node.children[0]._vars if all(n in s._vars for s in node.children)]
+        for n in names:
+            if any(s._vars[n] is not self._vars.get(n) for s in node.children):
+                self._vars[n] = [s._vars[n] for s in node.children]
+                self._meta[n] = [s._meta.get(n) for s in node.children]
 
     async def _run_ForkPoint(self, node: _ForkPoint) -> None:
         if len(node.children) > 1 and self._text and not self._chat_mode():

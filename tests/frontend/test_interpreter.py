@@ -272,6 +272,23 @@ def test_run_batch_on_one_loop_with_max_concurrency():
     assert [c[1] for c in be.calls] == [f"Q: {i}\nA: " for i in range(6)]
 
 
+def test_run_batch_runs_programs_with_fork_and_join_concurrently():
+    # join must not block the program's body: that would run a batch one program at a time
+    be = FakeBackend(replies={"Why:": "w", "Next:": "n"}, delay=0.02)
+
+    @weft.function
+    def branches(s, i):
+        s += f"Story {i}. "
+        forks = s.fork(2)
+        forks[0] += "Why:" + weft.gen("note", max_tokens=3)
+        forks[1] += "Next:" + weft.gen("note", max_tokens=3)
+        forks.join()
+
+    states = branches.run_batch([{"i": i} for i in range(8)], backend=be)
+    assert [s["note"] for s in states] == [["w", "n"]] * 8
+    assert be.max_in_flight >= 8  # one program alone has at most 2 requests in flight
+
+
 def test_run_batch_keeps_errors_on_their_states():
     states = qa.run_batch(
         [{"question": "good"}, {"question": "bad"}], backend=FakeBackend(fail_on="bad")
