@@ -331,3 +331,20 @@ def test_sse_framing(server):
     blocks = [b for b in raw.split(b"\n\n") if b]
     assert all(b.startswith(b"data: ") for b in blocks)
     assert blocks[-1] == b"data: [DONE]"
+
+
+def test_cache_salt_isolates_the_prefix_cache(server):
+    prompt = "One morning a red fox found a shiny key under the old oak tree by the river."
+
+    def cached(salt: str | None) -> int:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 1}}
+        if salt is not None:
+            body["cache_salt"] = salt
+        meta = server.generate(body)["meta_info"]
+        return meta["cached_tokens"] - (meta["prompt_tokens"] - 1)  # 0: all but the last cached
+
+    server.generate({"text": prompt, "sampling_params": {"max_new_tokens": 0}, "cache_salt": "a"})
+    assert cached("b") < 0 and cached(None) < 0  # other namespaces: no hit on "a"'s KV
+    assert cached("a") == 0 and cached("b") == 0 and cached(None) == 0  # each hits its own
+    r = server.post("/generate", {"text": prompt, "cache_salt": 5})
+    assert r.status_code == 400 and "cache_salt" in r.text

@@ -298,3 +298,17 @@ def test_multibyte_text_streams_whole_characters(qwen):
     texts = [e["text"] for e in events[:-1]]
     assert all("\ufffd" not in t for t in texts)
     assert texts[-1] == full["text"]
+
+
+def test_cache_salt_in_the_openai_api(client):
+    prompt = "Once upon a time a small bird built a nest of twigs on a high branch of a tree."
+
+    def cached(salt: str) -> int:
+        out = client.completions.create(
+            model="stories", prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}
+        )
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("x") == 0
+    assert cached("y") == 0  # "x"'s KV is not shared with "y"
+    assert cached("x") > 0

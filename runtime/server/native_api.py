@@ -42,6 +42,7 @@ class GenerateReqInput(msgspec.Struct):
     top_logprobs_num: Any = None
     return_text_in_logprobs: bool | None = None
     stream: bool | None = None
+    cache_salt: Any = None  # prefix-cache namespace: no cache hit across different salts
     # SGLang features weft does not have; accepted while null or false
     image_data: Any = None
     video_data: Any = None
@@ -115,6 +116,7 @@ def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
                 0 if tops[i] is None else tops[i],
                 rids[i],
                 param="input_ids" if obj.text is None else "text",
+                cache_salt=obj.cache_salt,
             )
         )
         if sp.constraint is not None:

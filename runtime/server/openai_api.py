@@ -473,6 +473,7 @@ def _chat_job(req: ChatCompletionRequest, tm: TokenizerManager, chat: ChatRender
         req.rid,
         param="messages",
         max_tokens_param="max_tokens",
+        cache_salt=req.cache_salt,
     )
     states = tm.submit([gen], stream=bool(req.stream))
     param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
@@ -532,6 +533,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager) -> _Job:
                 None,
                 param="prompt",
                 max_tokens_param="max_tokens",
+                cache_salt=req.cache_salt,
             )
         )
         param = _constraint_param(params)

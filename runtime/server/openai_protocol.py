@@ -59,6 +59,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     json_schema: str | dict[str, Any] | None = None  # JSON text or the schema itself
     ebnf: str | None = None
     rid: str | None = None
+    cache_salt: str | None = None  # prefix-cache namespace (as vLLM): no hit across salts
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -206,6 +206,7 @@ class TokenizerManager:
         rid: str | None = None,
         param: str = "text",
         max_tokens_param: str = "max_new_tokens",
+        cache_salt: str | None = None,
     ) -> to_sched.GenerateRequest:
         """Checks that need the model: prompt and output length against the context."""
         context = self.info.context_length
@@ -241,12 +242,17 @@ class TokenizerManager:
             )
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise bad_request("rid must be a non-empty string", "rid")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         return to_sched.GenerateRequest(
             rid=rid or uuid.uuid4().hex,
             input_ids=ids,
             params=params,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
+            # NOTE: the prefix cache only matches within a namespace: requests with another salt
+            # never reuse this one's KV (nor it theirs)
+            namespace="" if cache_salt is None else "salt:" + cache_salt,
         )
 
     # ---- requests ---------------------------------------------------------------------------
