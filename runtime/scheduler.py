@@ -53,7 +53,16 @@ class _InFlight:
     # overlap on CUDA: `ids` copied to pinned memory right behind the sampling, and its event
     host_ids: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
-    result: Sampled | None = None  # read at launch (requests that want logprobs)
+    result: Sampled | None = None
+
+    def read(self) -> Sampled:
+        """The sampled tokens on the host (waits for the device the first time)."""
+        if self.result is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            ids = self.ids if self.host_ids is None else self.host_ids
+            self.result = read_back(ids, self.raw_logprobs, self.reqs)
+        return self.result
 
 
 class Scheduler:
@@ -289,7 +298,7 @@ class Scheduler:
             req.pending = (step, i)
         flight = _InFlight(step, reqs, ids, raw_logprobs)
         if self.overlap and raw_logprobs is not None:
-            flight.result = read_back(ids, raw_logprobs, reqs)  # rare: no overlap for this step
+            flight.read()  # rare (logprobs wanted): this step does not overlap
         elif self.overlap and ids.is_cuda:
             # NOTE: queue the copy to the host right behind the sampling: a read-back queued
             # later (.tolist() in _resolve) would wait behind the next step's forward as well
@@ -305,13 +314,7 @@ class Scheduler:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
-        if flight.result is not None:
-            result = flight.result
-        elif flight.ready is not None and flight.host_ids is not None:
-            flight.ready.synchronize()
-            result = Sampled(flight.host_ids.tolist(), None, None)
-        else:
-            result = read_back(flight.ids, flight.raw_logprobs, flight.reqs)
+        result = flight.read()
         for i, req in enumerate(flight.reqs):
             if req.pending != (flight.step, i):
                 continue  # aborted or retracted meanwhile
@@ -425,6 +428,10 @@ class Scheduler:
             return self._schedule()
         return work
 
+    def _decoding(self) -> int:
+        """Running requests that decode a token next step (one new KV slot each)."""
+        return sum(1 for r in self.running if r.seq_len - r.kv_len == 1)
+
     def _ends_with_pending(self, req: Req) -> bool:
         """Whether the pending token is known to be the request's last (no step for it)."""
         return req.pending is not None and (
@@ -432,10 +439,9 @@ class Scheduler:
         )
 
     def _make_room_for_decode(self) -> None:
-        need = sum(1 for r in self.running if r.seq_len - r.kv_len == 1)
-        if need > self.memory.available and self._inflight is not None:
+        if self._inflight is not None and self._decoding() > self.memory.available:
             self._resolve()  # a retracted request must have its tokens on the host
-            need = sum(1 for r in self.running if r.seq_len - r.kv_len == 1)
+        need = self._decoding()
         while need > self.memory.available and len(self.running) > 1:
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             need -= 1 if victim.seq_len - victim.kv_len == 1 else 0
