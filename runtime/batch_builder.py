@@ -51,7 +51,7 @@ def build_batch(
             ids.extend(req.tokens(start, start + n - 1))
             future_at.append(len(ids))
             future_rows.append(req.pending[1])
-            ids.append(0)  # placeholder, replaced on the device below
+            ids.append(0)  # its value is copied from pending_ids on the device, below
         else:
             ids.extend(req.tokens(start, start + n))
         positions.extend(range(start, start + n))
@@ -73,31 +73,42 @@ def build_batch(
         plans.append(plan)
 
     # NOTE: one host buffer, one copy to the device (per-field copies each cost a host sync)
+    fields = {
+        "ids": ids,
+        "positions": positions,
+        "rows": rows,
+        "seq_lens": seq_lens,
+        "prefix_lens": prefix_lens,
+        "ext_lens": ext_lens,
+        "logits_rows": logits_rows,
+        "token_rows": token_rows,
+        "future_at": future_at,
+        "future_rows": future_rows,
+    }
     cache_loc = torch.cat(slots)
-    fields = [ids, positions, rows, seq_lens, prefix_lens, ext_lens, logits_rows, token_rows]
-    fields += [future_at, future_rows]
-    host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
-    host = torch.cat([host, cache_loc])
+    flat = torch.tensor([v for f in fields.values() for v in f], dtype=torch.int64)
+    host = torch.cat([flat, cache_loc])
     if device.type == "cuda":
         host = host.pin_memory().to(device, non_blocking=True)
-    parts = host.split([len(f) for f in fields] + [len(cache_loc)])
+    *columns, loc = host.split([len(f) for f in fields.values()] + [len(cache_loc)])
+    dev = dict(zip(fields, columns, strict=True))
     batch = ForwardBatch(
-        input_ids=parts[0],
-        positions=parts[1],
-        out_cache_loc=parts[10],
-        req_pool_indices=parts[2],
-        seq_lens=parts[3],
-        prefix_lens=parts[4],
-        extend_lens=parts[5],
-        logits_indices=parts[6],
+        input_ids=dev["ids"],
+        positions=dev["positions"],
+        out_cache_loc=loc,
+        req_pool_indices=dev["rows"],
+        seq_lens=dev["seq_lens"],
+        prefix_lens=dev["prefix_lens"],
+        extend_lens=dev["ext_lens"],
+        logits_indices=dev["logits_rows"],
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=prefix_lens,
         extend_lens_cpu=ext_lens,
     )
-    memory.req_to_token.scatter(parts[7], batch.positions, batch.out_cache_loc)
+    memory.req_to_token.scatter(dev["token_rows"], batch.positions, loc)
     if future_at:
         assert pending_ids is not None, "a request has a pending token but no ids were given"
-        batch.input_ids[parts[8]] = pending_ids[parts[9]]
+        batch.input_ids[dev["future_at"]] = pending_ids[dev["future_rows"]]
     return batch, plans
 
 
