@@ -57,18 +57,19 @@ class CudaGraphRunner:
             self._zeros = torch.zeros(n, dtype=torch.int64)  # prefix_lens: unread in decode
             self._ones = torch.ones(n, dtype=torch.int64)
             self._rows = torch.arange(n, dtype=torch.int64)
-        self._pad_defaults()
+        self._pad_from(0)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
 
-    def _pad_defaults(self) -> None:
-        ids, pos, loc, rows, lens = self._inputs
-        ids.zero_()
-        pos.zero_()
-        loc.fill_(self.scratch_slot)
-        rows.zero_()
-        lens.fill_(1)
+    def _pad_from(self, bs: int, end: int | None = None) -> None:
+        """Rows bs..end become padding: length 1 over row 0 of req_to_token, K/V written to the
+        scratch slot. NOTE: rows past a batch may hold a larger earlier batch's slots; a stale
+        out_cache_loc there would overwrite a live request's KV."""
+        _, _, loc, rows, lens = self._inputs
+        loc[bs:end].fill_(self.scratch_slot)
+        rows[bs:end].zero_()
+        lens[bs:end].fill_(1)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         ids, pos, loc, rows, lens = (t[:bs] for t in self._inputs)
@@ -133,11 +134,7 @@ class CudaGraphRunner:
         rows[:bs].copy_(batch.req_pool_indices)
         lens[:bs].copy_(batch.seq_lens)
         if padded > bs:
-            # NOTE: rows past bs may hold a larger earlier batch's slots: a stale out_cache_loc
-            # there would overwrite a live request's KV.
-            loc[bs:padded].fill_(self.scratch_slot)
-            rows[bs:padded].zero_()
-            lens[bs:padded].fill_(1)
+            self._pad_from(bs, padded)
         self._graphs[padded].replay()
         self.num_replays += 1
         return self._outputs[padded][:bs]

@@ -148,11 +148,11 @@ class ModelRunner:
 
         if not isinstance(self.attention, TritonAttention):
             return None
-        max_bs = self.config.cuda_graph_max_bs or min(256, self.config.max_running_requests)
+        max_bs = min(self.config.cuda_graph_max_bs or 256, self.config.max_running_requests)
         graphs = CudaGraphRunner(
             self.model,
             self.attention,
-            min(max_bs, self.config.max_running_requests),
+            max_bs,
             self.context_length,
             self.kv_pool.scratch_slot,
             self.device,
