@@ -42,7 +42,6 @@ SHARD_BYTES = 2 * 1024**3
 _FORMAT_VERSION = 2
 _CHUNK_BYTES = 64 << 20
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-_TOKEN_TYPE_CONTROL = 3
 # Token types that are no text: control tokens (<|im_end|>) and unused padding ("[PAD151665]").
 _SPECIAL_TOKEN_TYPES = (gguf.TokenType.CONTROL, gguf.TokenType.UNUSED)
 
@@ -286,31 +285,28 @@ def _end_token_ids(reader: gguf.GGUFReader, src: Path) -> list[int]:
         value = _meta(reader, f"tokenizer.ggml.{key}", src, None)
         if value is not None and value not in ids:
             ids.append(int(value))
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    types = reader.get_field("tokenizer.ggml.token_type")
-    if tokens is None:
-        return ids
-    type_list = types.contents() if types is not None else None
     # NOTE: only control tokens count: a vocabulary may also hold "<EOT>" as ordinary text.
-    for i, idx in enumerate(tokens.data):
-        if type_list is not None and type_list[i] != _TOKEN_TYPE_CONTROL:
-            continue
-        if bytes(tokens.parts[idx]).decode("utf-8", "replace") in END_TOKEN_TEXTS and i not in ids:
+    for i, (text, kind) in enumerate(_token_table(reader)):
+        if kind in (None, gguf.TokenType.CONTROL) and text in END_TOKEN_TEXTS and i not in ids:
             ids.append(i)
     return ids
 
 
 def _special_tokens(reader: gguf.GGUFReader) -> dict[int, str]:
     """Id -> text of every token the GGUF types CONTROL or UNUSED."""
+    table = _token_table(reader)
+    return {i: text for i, (text, kind) in enumerate(table) if kind in _SPECIAL_TOKEN_TYPES}
+
+
+def _token_table(reader: gguf.GGUFReader) -> list[tuple[str, int | None]]:
+    """(text, GGUF token type) of each token id; the type is None when the file has none."""
     tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is None:
+        return []
     types = reader.get_field("tokenizer.ggml.token_type")
-    if tokens is None or types is None:
-        return {}
-    return {
-        i: bytes(tokens.parts[idx]).decode("utf-8", "replace")
-        for i, (idx, kind) in enumerate(zip(tokens.data, types.contents(), strict=True))
-        if kind in _SPECIAL_TOKEN_TYPES
-    }
+    kinds = types.contents() if types is not None else [None] * len(tokens.data)
+    texts = (bytes(tokens.parts[idx]).decode("utf-8", "replace") for idx in tokens.data)
+    return list(zip(texts, kinds, strict=True))
 
 
 def _rope_scaling(
