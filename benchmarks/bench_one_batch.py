@@ -40,7 +40,13 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.core import Req
 from weft.runtime.sampling_params import SamplingParams
 
-from common import copy_bandwidth, decode_weight_bytes, describe_device, random_prompts
+from common import (
+    copy_bandwidth,
+    decode_weight_bytes,
+    describe_device,
+    random_prompts,
+    sync_device,
+)
 
 WARMUP_OUTPUT_LEN = 8  # tokens per request in the warm-up pass (same batch and prompt length)
 GRAPH_REPLAYS = 20  # timed replays of the GEMV-floor graph (median)
@@ -158,11 +164,6 @@ def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
     return kwargs
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_pass(engine: Engine, prompts: list[list[int]], output_len: int, tag: str) -> Pass:
     """Add the batch, step the scheduler until it is done, time each step; then audit the KV
     pool and empty the prefix cache (the next pass must not hit this one's prefixes)."""
@@ -177,15 +178,15 @@ def run_pass(engine: Engine, prompts: list[list[int]], output_len: int, tag: str
     prefill_steps = 0
     step_s: list[float] = []
     kv_tokens: list[int] = []
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     while sched.has_work:
         # KV positions a decode step reads: each running request's length after the step
         kv = sum(r.seq_len for r in sched.running)
-        _sync(device)
+        sync_device(device)
         t = time.perf_counter()
         updated = sched.step()
-        _sync(device)
+        sync_device(device)
         now = time.perf_counter()
         if prefill_s is None:
             prefill_steps += 1
@@ -394,7 +395,7 @@ def hf_row(args: argparse.Namespace, model: torch.nn.Module, row: Row, info: Run
     mask = torch.ones_like(ids)
 
     def generate(n: int) -> float:
-        _sync(info.device)
+        sync_device(info.device)
         t = time.perf_counter()
         out = model.generate(  # type: ignore[operator]
             ids,
@@ -405,7 +406,7 @@ def hf_row(args: argparse.Namespace, model: torch.nn.Module, row: Row, info: Run
             use_cache=True,
             pad_token_id=0,
         )
-        _sync(info.device)
+        sync_device(info.device)
         assert out.shape == (row.batch, args.input_len + n)
         return time.perf_counter() - t
 

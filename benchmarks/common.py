@@ -32,10 +32,10 @@ def copy_bandwidth(device: torch.device, mbytes: int = 512, repeats: int = 5) ->
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         t = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync_device(device)
         best = min(best, time.perf_counter() - t)
     return 2 * src.numel() * 4 / best / 1e9
 
@@ -48,7 +48,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return total if tied else total - embed.numel() * embed.element_size()
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
