@@ -120,6 +120,7 @@ def parse_args() -> argparse.Namespace:
     engine.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
     engine.add_argument("--disable-radix-cache", action="store_true")
     engine.add_argument("--disable-cuda-graph", action="store_true")
+    engine.add_argument("--enable-overlap-schedule", action="store_true")
     p.add_argument(
         "--gemv-floor",
         action=argparse.BooleanOptionalAction,
@@ -134,9 +135,13 @@ def parse_args() -> argparse.Namespace:
     if args.input_len < 1 or args.repeats < 1 or min(args.batch_sizes) < 1:
         p.error("--input-len, --repeats and --batch-sizes must be >= 1")
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    if args.disable_cuda_graph and "disable_cuda_graph" not in fields:
-        p.error("--disable-cuda-graph: this weft's EngineConfig has no disable_cuda_graph field")
+    for name in SWITCHES:
+        if getattr(args, name) and name not in fields:
+            p.error(f"--{name.replace('_', '-')}: this weft's EngineConfig has no {name} field")
     return args
+
+
+SWITCHES = ("disable_radix_cache", "disable_cuda_graph", "enable_overlap_schedule")
 
 
 def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
@@ -157,10 +162,8 @@ def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
         max_running = batch
     if max_running != EngineConfig().max_running_requests:
         kwargs["max_running_requests"] = max_running
-    if args.disable_radix_cache:
-        kwargs["disable_radix_cache"] = True
-    if args.disable_cuda_graph:
-        kwargs["disable_cuda_graph"] = True  # NOTE: only when given: older configs lack the field
+    # NOTE: switches are passed only when given: older configs lack some of the fields
+    kwargs.update({name: True for name in SWITCHES if getattr(args, name)})
     return kwargs
 
 
