@@ -149,8 +149,8 @@ def bench_decode(args: argparse.Namespace) -> None:
         common.update(model_path=args.model_path, load_format=args.load_format)
     if args.max_total_tokens:
         common["max_total_tokens"] = args.max_total_tokens
-    if args.enable_overlap_schedule:
-        common["enable_overlap_schedule"] = True
+    if args.disable_overlap_schedule:
+        common["disable_overlap_schedule"] = True
     schema = json.dumps(FIXED_KEYS_SCHEMA)
     engines = {
         "unconstrained": Engine(**common),
@@ -222,7 +222,7 @@ def main() -> None:
     d.add_argument("--batch", type=int, nargs="+", default=[1])
     d.add_argument("--max-new-tokens", type=int, default=96)
     d.add_argument("--repeats", type=int, default=3)
-    d.add_argument("--enable-overlap-schedule", action="store_true")
+    d.add_argument("--disable-overlap-schedule", action="store_true")
     args = parser.parse_args()
     bench_masks(args) if args.cmd == "masks" else bench_decode(args)
 

@@ -120,7 +120,7 @@ def parse_args() -> argparse.Namespace:
     engine.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
     engine.add_argument("--disable-radix-cache", action="store_true")
     engine.add_argument("--disable-cuda-graph", action="store_true")
-    engine.add_argument("--enable-overlap-schedule", action="store_true")
+    engine.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument(
         "--gemv-floor",
         action=argparse.BooleanOptionalAction,
@@ -141,7 +141,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-SWITCHES = ("disable_radix_cache", "disable_cuda_graph", "enable_overlap_schedule")
+SWITCHES = ("disable_radix_cache", "disable_cuda_graph", "disable_overlap_schedule")
 
 
 def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:

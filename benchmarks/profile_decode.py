@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--enable-overlap-schedule", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--trace", default=None, help="write the profiled steps as a Chrome trace")
     p.add_argument("--no-profile", action="store_true", help="print the step time only")
     p.add_argument("--host", action="store_true", help="cProfile the host side instead")
@@ -40,7 +40,7 @@ def main() -> None:
         log_level="warning",
         max_total_tokens=args.max_total_tokens,
         disable_cuda_graph=args.disable_cuda_graph,
-        enable_overlap_schedule=args.enable_overlap_schedule,
+        disable_overlap_schedule=args.disable_overlap_schedule,
     )
     engine.shutdown()  # drive the scheduler from this thread
     sched = engine.scheduler

@@ -68,11 +68,11 @@ class EngineConfig:
             "largest decode batch captured in a CUDA graph (default min(256, max_running_requests))"
         ),
     )
-    enable_overlap_schedule: bool = field(
+    disable_overlap_schedule: bool = field(
         default=False,
         metadata=_help(
-            "on CUDA, launch each step's forward before reading back the previous step's tokens "
-            "(measured on an H100: +5%% at batch 1, slower at batch 64; see RESULTS.md)"
+            "read back each step's tokens before launching the next forward (by default, on "
+            "CUDA, the next forward is launched first and the host work overlaps it)"
         ),
     )
     grammar_backend: str = field(

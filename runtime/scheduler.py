@@ -96,7 +96,7 @@ class Scheduler:
         self.num_tokens_computed = 0  # tokens through the model (prefill + decode)
         self.peak_running = 0
         # NOTE: on CPUs the "device" is this thread: overlapping would only delay the outputs
-        self.overlap = runner.device.type == "cuda" and config.enable_overlap_schedule
+        self.overlap = runner.device.type == "cuda" and not config.disable_overlap_schedule
         self._inflight: _InFlight | None = None
         self._resolved: list[Req] = []  # got a token or finished since the last step returned
         self.num_overlapped_steps = 0  # forwards launched before the previous tokens were read

@@ -207,7 +207,7 @@ def test_serve_flags_come_from_the_config(capsys):
         "--grammar-backend",
         "--disable-cuda-graph",
         "--cuda-graph-max-bs",
-        "--enable-overlap-schedule",
+        "--disable-overlap-schedule",
         "--api-key",
         "--served-model-name",
         "--chat-template",
