@@ -34,6 +34,8 @@ from common import (
     shared_prefix_prompts,
 )
 
+PROGRESS_EVERY_S = 15.0
+
 
 def build_workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     if args.workload == "random":
@@ -68,7 +70,18 @@ async def run_workload(engine: Engine, prompts: list[list[int]], output_len: int
         out_tokens += meta["completion_tokens"]
 
     t = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
+    runs = [asyncio.ensure_future(one(p)) for p in prompts]
+    while True:
+        done, _ = await asyncio.wait(runs, timeout=PROGRESS_EVERY_S)
+        if len(done) == len(runs):
+            break
+        print(
+            f"  {len(done)}/{len(runs)} requests done, {len(ttfts)} started, "
+            f"{time.perf_counter() - t:.0f} s",
+            flush=True,
+        )
+    for run in runs:
+        run.result()  # re-raise a request's failure
     elapsed = time.perf_counter() - t
     in_tokens = sum(len(p) for p in prompts)
     return {
@@ -87,7 +100,7 @@ def single_stream_decode(engine: Engine, vocab: int, output_len: int) -> float:
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
     engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 4})
     t = time.perf_counter()
-    out = engine.generate(input_ids=prompt + [1001], sampling_params=params)
+    out = engine.generate(input_ids=prompt + [vocab - 1], sampling_params=params)
     return out["meta_info"]["completion_tokens"] / (time.perf_counter() - t)
 
 
@@ -98,7 +111,7 @@ def hf_single_stream(
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
-    prompt = torch.tensor([random_prompts(1, 16, vocab, seed=99)[0] + [1001]], device=device)
+    prompt = torch.tensor([random_prompts(1, 16, vocab, seed=99)[0] + [vocab - 1]], device=device)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     model.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kwargs)
     t = time.perf_counter()
