@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true")
@@ -57,7 +58,7 @@ def main() -> None:
             params = SamplingParams(
                 temperature=0, max_new_tokens=steps, ignore_eos=True, json_schema=schema
             )
-            sched.add(Req(f"{tag}{i}", [1000 + i] * 128, params))
+            sched.add(Req(f"{tag}{i}", [1000 + i] * args.input_len, params))
         while sched.has_work and not any(r.output_ids for r in sched.running):
             sched.step()  # grammar compile, prefill
         if cuda:
