@@ -196,7 +196,8 @@ async def _server_info(session: aiohttp.ClientSession, url: str) -> dict[str, An
         return {}
 
 
-def _pcts(values: list[float]) -> dict[str, float]:
+def percentiles_ms(values: list[float]) -> dict[str, float]:
+    """Mean, p50, p90 and p99 of latencies in seconds, in milliseconds."""
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     ordered = sorted(values)
@@ -233,9 +234,9 @@ def summarize(
         "output_throughput": output / duration,
         "total_input_tokens": prompt,
         "total_output_tokens": output,
-        "ttft_ms": _pcts([r.ttft for r in ok]),
-        "itl_ms": _pcts([x for r in ok for x in r.itl]),
-        "e2e_ms": _pcts([r.e2e for r in ok]),
+        "ttft_ms": percentiles_ms([r.ttft for r in ok]),
+        "itl_ms": percentiles_ms([x for r in ok for x in r.itl]),
+        "e2e_ms": percentiles_ms([r.e2e for r in ok]),
         "server_cache_hit_rate": hit,
         "client_cache_hit_rate": sum(r.cached for r in ok) / prompt if prompt else 0.0,
     }

@@ -55,6 +55,7 @@ def sync_device(device: torch.device) -> None:
 
 def random_prompts(n: int, length: int, vocab: int, seed: int, lo: int = 1000) -> list[list[int]]:
     rng = random.Random(seed)
+    lo = min(lo, vocab // 4)  # a tiny vocabulary (stories260K: 512) has no id 1000
     hi = max(lo + 1, min(vocab, 30000))
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +34,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_ORDER = ("xgrammar", "llguidance", "outlines")
 CACHE_ENTRIES = 1024
 COMPILE_WORKERS = 4
+MAX_JUMP_FORWARD_BYTES = 1024  # forced text appended in one step (the rest comes next step)
+# A spec whose minimum repetition counts multiply past this gets no jump-forward (see
+# `forced_repeats`).
+MAX_FORCED_REPEATS = 1024
 
 
 def backend_classes() -> dict[str, Callable[[TokenVocab], GrammarBackend]]:
@@ -102,6 +107,7 @@ class Compiled:
     spec: GrammarSpec
     compile_s: float
     refused: list[str] = field(default_factory=list)  # why earlier backends passed it on
+    jump_forward: bool = True  # False: the forced text may be too long to ask for
 
 
 class RequestGrammar:
@@ -129,7 +135,9 @@ class RequestGrammar:
         self.matcher.rollback(n)
 
     def jump_forward(self) -> bytes:
-        return b"" if self.ended else self.matcher.jump_forward()
+        if self.ended or not self.compiled.jump_forward:
+            return b""
+        return self.matcher.jump_forward()
 
     def jump_forward_from(self, token: int, keep_token: bool = False) -> list[int]:
         """The just-accepted `token` plus the text the grammar forces after it, re-tokenized
@@ -140,7 +148,7 @@ class RequestGrammar:
         keep_token: `token` is already in the model's context (the overlap schedule fed it to the
         next step before this ran), so it stays first and only the forced text is tokenized.
         """
-        forced = self.jump_forward()
+        forced = _cut_at_char(self.jump_forward(), MAX_JUMP_FORWARD_BYTES)
         vocab = self.compiled.backend.vocab
         if not forced or vocab.tokenizer is None:
             return [token]
@@ -235,7 +243,9 @@ class GrammarManager:
                 refused.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:500]}")
                 logger.warning("grammar backend %s failed on %s: %r", name, spec.describe(), exc)
                 continue
-            return Compiled(backend, grammar, spec, time.perf_counter() - start, refused)
+            elapsed = time.perf_counter() - start
+            short = forced_repeats(spec) <= MAX_FORCED_REPEATS
+            return Compiled(backend, grammar, spec, elapsed, refused, jump_forward=short)
         raise GrammarError(f"cannot compile the {spec.kind}: " + "; ".join(refused))
 
     def _compile_cached(self, backend: GrammarBackend, spec: GrammarSpec) -> Any:
@@ -303,3 +313,88 @@ class GrammarManager:
     def shutdown(self) -> None:
         self._chains.shutdown()
         self._compiles.shutdown()
+
+
+_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*\d*\s*)?\}")  # a repetition: {n}, {n,} or {n,m}
+_MIN_KEYWORDS = frozenset({"minItems", "minProperties", "minContains"})
+
+
+def forced_repeats(spec: GrammarSpec) -> int:
+    """An upper bound on how often a spec can force one part to repeat: the product of nested
+    minimum repetition counts (of all counts in an EBNF grammar or a JSON schema, whose rules
+    and $refs nest in ways the text does not show). Stops once past MAX_FORCED_REPEATS.
+
+    NOTE: a backend finds the forced text in one native call on the scheduler's loop, which
+    cannot be bounded or interrupted: `((a{1000}){1000}){1000}` or an array with minItems 10^7
+    would stall every request for minutes. Such specs are decoded without jump-forward.
+    """
+    if spec.kind == "regex":
+        return _regex_repeats(spec.text)
+    if spec.kind == "ebnf":
+        counts = [_count(m) for m in _COUNT.finditer(spec.text)]
+    elif spec.kind in ("json_schema", "json_object", "structural_tag"):
+        counts = _json_min_counts(spec.value)
+    else:
+        return 1
+    product = 1
+    for count in counts:
+        product *= max(count, 1)
+        if product > MAX_FORCED_REPEATS:
+            break
+    return product
+
+
+def _count(match: re.Match[str]) -> int:
+    digits = match.group(1)
+    return int(digits) if len(digits) <= 9 else MAX_FORCED_REPEATS + 1
+
+
+def _regex_repeats(text: str) -> int:
+    """The largest product of counts along a nesting of groups: `(a{10}){10}b{10}` -> 100."""
+    inside = [1]  # per open group: the largest product met inside it
+    atom = 1  # the product of the atom just read (a count multiplies it)
+    i = 0
+    while i < len(text):
+        c = text[i]
+        count = _COUNT.match(text, i) if c == "{" else None
+        if count is not None:
+            atom = min(atom * _count(count), MAX_FORCED_REPEATS + 1)
+            i = count.end()
+        elif c == "(":
+            inside.append(1)
+            atom, i = 1, i + 1
+        elif c == ")" and len(inside) > 1:
+            atom, i = inside.pop(), i + 1
+        elif c == "[":  # a class is one atom; a `]` first in it is a literal
+            end = text.find("]", i + 2)
+            atom, i = 1, (len(text) if end < 0 else end + 1)
+        else:
+            atom, i = 1, i + (2 if c == "\\" else 1)
+        inside[-1] = max(inside[-1], atom)
+    return max(inside)
+
+
+def _json_min_counts(value: Any) -> list[int]:
+    counts = []
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, item in node.items():
+                if key in _MIN_KEYWORDS and isinstance(item, int) and not isinstance(item, bool):
+                    counts.append(item)
+                else:
+                    stack.append(item)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return counts
+
+
+def _cut_at_char(data: bytes, limit: int) -> bytes:
+    """At most `limit` bytes of `data`, cut before a UTF-8 character's first byte."""
+    if len(data) <= limit:
+        return data
+    end = limit
+    while end > 0 and data[end] & 0xC0 == 0x80:  # a continuation byte
+        end -= 1
+    return data[:end]

@@ -25,8 +25,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-MAX_SPEC_CHARS = 256 * 1024  # the text of one spec
+MAX_SPEC_CHARS = 256 * 1024  # the text of one spec (EngineConfig.max_grammar_chars's default)
 MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects/arrays in a schema document
+MAX_GROUP_DEPTH = 64  # nesting of parentheses in a regex or an EBNF grammar
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices", "structural_tag")
 
 
@@ -69,10 +70,12 @@ def choices_spec(choices: list[str]) -> GrammarSpec:
     return GrammarSpec("choices", json.dumps(list(choices)))
 
 
-def parse_spec(field: str, text: str) -> GrammarSpec:
+def parse_spec(field: str, text: str, max_chars: int = MAX_SPEC_CHARS) -> GrammarSpec:
     """A SamplingParams constraint field -> a checked spec (InvalidSpec names the field)."""
     if not isinstance(text, str):
         raise InvalidSpec(f"{field} must be a string, got {type(text).__name__}")
+    if len(text) > max_chars:
+        raise InvalidSpec(f"{field} is too large: {len(text)} characters (at most {max_chars})")
     return _parse_spec(field, text)
 
 
@@ -83,19 +86,67 @@ def parse_spec(field: str, text: str) -> GrammarSpec:
 def _parse_spec(field: str, text: str) -> GrammarSpec:
     if not text.strip():
         raise InvalidSpec(f"{field} is empty")
-    if len(text) > MAX_SPEC_CHARS:
-        raise InvalidSpec(
-            f"{field} is too large: {len(text)} characters (at most {MAX_SPEC_CHARS})"
-        )
     if field == "json_schema":
         return GrammarSpec("json_schema", _canonical_json(field, _parse_schema(field, text)))
     if field == "structural_tag":
         return GrammarSpec("structural_tag", _canonical_json(field, parse_structural_tag(text)))
-    if field == "regex":
-        return GrammarSpec("regex", text)
-    if field == "ebnf":
-        return GrammarSpec("ebnf", text)
+    if field in ("regex", "ebnf"):
+        depth = group_depth(text, quotes="" if field == "regex" else "\"'")
+        if depth > MAX_GROUP_DEPTH:
+            raise InvalidSpec(
+                f"{field} is nested too deeply: {depth} levels of parentheses "
+                f"(at most {MAX_GROUP_DEPTH})"
+            )
+        return GrammarSpec(field, text)
     raise InvalidSpec(f"unknown constraint field {field!r}")
+
+
+def group_depth(text: str, quotes: str) -> int:
+    """The deepest nesting of parentheses, outside escapes, character classes ([...]), quoted
+    literals (`quotes`, EBNF) and `#` comments (EBNF). A cheap bound on what a backend's
+    recursive compiler will face, not a parse: an unbalanced text just counts what it has."""
+    deepest = depth = 0
+    i, end = 0, len(text)
+    while i < end:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            i = _skip_class(text, i + 1)
+            continue
+        if c in quotes:
+            i = _skip_quoted(text, i + 1, c)
+            continue
+        if c == "#" and quotes:
+            newline = text.find("\n", i)
+            i = end if newline < 0 else newline + 1
+            continue
+        if c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth = max(depth - 1, 0)
+        i += 1
+    return deepest
+
+
+def _skip_class(text: str, i: int) -> int:
+    """The index after the `]` closing a character class whose content starts at `i` (a `]`
+    first in the class, or right after `^`, is a literal)."""
+    if text.startswith("^", i):
+        i += 1
+    if text.startswith("]", i):
+        i += 1
+    while i < len(text) and text[i] != "]":
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
+
+
+def _skip_quoted(text: str, i: int, quote: str) -> int:
+    while i < len(text) and text[i] != quote:
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
 
 
 def _parse_schema(field: str, text: str) -> Any:
@@ -158,6 +209,8 @@ def parse_structural_tag(text: str) -> dict[str, Any]:
         schema = item.get("schema", {})
         if not isinstance(schema, (dict, bool)):
             raise InvalidSpec(f"{where}.schema must be a JSON schema object")
+        if _depth(schema) > MAX_SCHEMA_DEPTH:
+            raise InvalidSpec(f"{where}.schema is nested too deeply (at most {MAX_SCHEMA_DEPTH})")
         _check_schema(f"{where}.schema", schema)
         clean.append({"begin": item["begin"], "schema": schema, "end": item["end"]})
     free_text = _flag(tag, "free_text", True)
@@ -197,17 +250,60 @@ def _canonical_json(field: str, value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def _depth(value: Any) -> int:
-    """Nesting depth of a JSON document, without recursion (a hostile document can be deep)."""
-    deepest = 0
-    stack = [(value, 1)]
+def _depth(root: Any) -> int:
+    """Nesting depth of a JSON document, a local `$ref` counting as its target nested in place
+    (a cycle of refs, a recursive schema, is followed once). Without recursion: a hostile
+    document can be deep.
+
+    NOTE: backends expand refs recursively: llguidance overflows its stack (the process dies)
+    on a chain of a thousand refs, each of them shallow.
+    """
+    heights: dict[int, int] = {}  # id(container) -> its height
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if depth > MAX_SCHEMA_DEPTH:
-            break
-        children = (
-            node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        )
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            heights[key] = 1 + max(
+                (heights.get(id(c), 0) if _is_container(c) else 1 for c in _children(root, node)),
+                default=0,
+            )
+        elif key not in heights and key not in on_path:  # on the path: a cycle, counted once
+            on_path.add(key)
+            stack.append((node, True))
+            stack.extend((c, False) for c in _children(root, node) if _is_container(c))
+    return heights.get(id(root), 1)
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (dict, list))
+
+
+def _children(root: Any, node: Any) -> list[Any]:
+    if isinstance(node, list):
+        return node
+    if not isinstance(node, dict):
+        return []
+    children = list(node.values())
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = _resolve_pointer(root, ref[1:])
+        if target is not None:
+            children.append(target)
+    return children
+
+
+def _resolve_pointer(root: Any, pointer: str) -> Any:
+    """The value at a JSON pointer ("/$defs/item"), or None."""
+    node = root
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node

@@ -46,7 +46,12 @@ class XGrammarMatcher(Matcher):
         return bool(self.inner.is_terminated())
 
     def jump_forward(self) -> bytes:
-        return str(self.inner.find_jump_forward_string()).encode()
+        try:
+            return str(self.inner.find_jump_forward_string()).encode()
+        except UnicodeDecodeError:
+            # NOTE: the forced bytes start inside a UTF-8 character (the last token ended
+            # mid-character), which xgrammar cannot hand over as a str: no jump this step
+            return b""
 
 
 class XGrammarBackend(GrammarBackend):

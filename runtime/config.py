@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from weft.grammars.spec import MAX_SPEC_CHARS
+from weft.runtime.sampling_params import RequestLimits
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
@@ -45,6 +48,17 @@ class EngineConfig:
         default=2.0, metadata=_help("KV pool memory on the CPU when max_total_tokens is unset")
     )
     max_running_requests: int = field(default=256, metadata=_help("max requests decoding at once"))
+    max_prompt_tokens: int | None = field(
+        default=None, metadata=_help("refuse longer prompts (default: the context length)")
+    )
+    max_new_tokens_cap: int | None = field(
+        default=None,
+        metadata=_help("refuse requests asking for more new tokens (default: the context length)"),
+    )
+    max_grammar_chars: int = field(
+        default=MAX_SPEC_CHARS,
+        metadata=_help("refuse longer regex / json_schema / ebnf / structural_tag texts"),
+    )
     chunked_prefill_size: int = field(
         default=2048, metadata=_help("max prompt tokens prefilled per step (chunked prefill)")
     )
@@ -101,10 +115,16 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        for name in ("max_running_requests", "chunked_prefill_size"):
+        for name in ("max_running_requests", "chunked_prefill_size", "max_grammar_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("context_length", "max_total_tokens", "cuda_graph_max_bs"):
+        for name in (
+            "context_length",
+            "max_total_tokens",
+            "cuda_graph_max_bs",
+            "max_prompt_tokens",
+            "max_new_tokens_cap",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -125,6 +145,14 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_new_tokens=self.max_new_tokens_cap,
+            max_grammar_chars=self.max_grammar_chars,
+        )
 
     @property
     def grammar_backends(self) -> list[str]:

@@ -24,7 +24,7 @@ from weft.runtime.core import LogprobRequest, Req
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.model_runner import ModelRunner, resolve_source
 from weft.runtime.results import request_output
-from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from weft.runtime.scheduler import Scheduler
 from weft.runtime.tokenizer import end_token_ids, load_tokenizer
 
@@ -273,13 +273,15 @@ class Engine:
             raise ValueError(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
         logprob = None
         if return_logprob:
-            if top_logprobs_num < 0:
-                raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+            if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS_NUM:
+                raise ValueError(
+                    f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {top_logprobs_num}"
+                )
             logprob = LogprobRequest(start_len=logprob_start_len, top_k=top_logprobs_num)
         reqs = []
         for ids, params, r in zip(ids_list, params_list, rids, strict=True):
             sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
-            sp.validate(self.model_config.vocab_size)
+            sp.validate(self.model_config.vocab_size, self.config.request_limits)
             self._check_ids(ids)
             if logprob is not None and logprob.start_len >= len(ids):
                 raise ValueError(
@@ -317,6 +319,11 @@ class Engine:
             raise ValueError(
                 f"prompt is too long: {len(ids)} tokens, the context length is "
                 f"{self.context_length} (prompt + at least one new token must fit)"
+            )
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            raise ValueError(
+                f"prompt is too long: {len(ids)} tokens, at most {limit} (max_prompt_tokens)"
             )
 
     # ---- the engine thread -------------------------------------------------------------------

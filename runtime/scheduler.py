@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import math
+import time
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from weft.grammars.vocab import TokenVocab
 from weft.runtime.batch_builder import RowPlan, build_batch
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import FinishReason, Req
+from weft.runtime.histogram import BucketCounts
 from weft.runtime.memory import MemoryManager
 from weft.runtime.model_runner import ModelRunner
 from weft.runtime.output_processor import OutputProcessor
@@ -37,6 +39,8 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 LPM_MAX_QUEUE = 128  # past this, prefix matching the whole queue costs more than it saves
 PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at once
 IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens with one admitted
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 # NOTE: internal rids (n > 1 children, the shared prompt) join the caller's rid with a character
 # that request ids in practice never contain, so they cannot collide with a caller's own rid.
 RID_SEP = "\x1f"
@@ -95,6 +99,8 @@ class Scheduler:
         self.num_steps = 0
         self.num_tokens_computed = 0  # tokens through the model (prefill + decode)
         self.peak_running = 0
+        self.grammar_compile_s = BucketCounts(GRAMMAR_COMPILE_BUCKETS)  # per constrained request
+        self.grammar_mask_s = BucketCounts(GRAMMAR_MASK_BUCKETS)  # per step with constrained rows
         # NOTE: on CPUs the "device" is this thread: overlapping would only delay the outputs
         self.overlap = runner.device.type == "cuda" and not config.disable_overlap_schedule
         self._inflight: _InFlight | None = None
@@ -110,7 +116,9 @@ class Scheduler:
         constraint = req.params.constraint
         if constraint is not None:
             try:
-                grammar_job = self.grammars.submit(parse_spec(*constraint))
+                grammar_job = self.grammars.submit(
+                    parse_spec(*constraint, self.config.max_grammar_chars)
+                )
             except (InvalidSpec, ValueError) as exc:
                 self._enqueue(req, None)
                 self._fail(req, str(exc))
@@ -182,7 +190,10 @@ class Scheduler:
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
             self.grammar_wait.remove(req)
             try:
-                req.grammar = RequestGrammar(req.grammar_future.result(), self._end_list)
+                compiled = req.grammar_future.result()
+                if req.index == 0:  # n > 1 samples share one compile
+                    self.grammar_compile_s.observe(compiled.compile_s)
+                req.grammar = RequestGrammar(compiled, self._end_list)
             except Exception as exc:  # GrammarError, or a matcher the backend cannot build
                 self._fail(req, str(exc))
                 continue
@@ -362,7 +373,9 @@ class Scheduler:
                 size, vocab_size, pin=self.runner.device.type == "cuda"
             )
         bitmask = self._bitmask[: len(reqs)]
+        start = time.perf_counter()
         self.grammars.fill([reqs[i].grammar for i in rows], bitmask, rows)
+        self.grammar_mask_s.observe(time.perf_counter() - start)
         return bitmask.to(self.runner.device, non_blocking=True), rows
 
     def _append_constrained(

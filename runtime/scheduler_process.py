@@ -119,6 +119,8 @@ class SchedulerService:
             return Reply(msg.query_id, self.server_info())
         elif isinstance(msg, from_tm.FlushCache):
             return Reply(msg.query_id, {"flushed": self.scheduler.flush_cache()})
+        elif isinstance(msg, from_tm.GetMetrics):
+            return Reply(msg.query_id, self.metrics())
         return None
 
     def _add(self, r: from_tm.GenerateRequest) -> None:
@@ -222,6 +224,24 @@ class SchedulerService:
             "num_requests": self.num_requests,
             "num_aborted": self.num_aborted,
             "radix_cache": s.memory.cache.enabled,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters kept as the scheduler goes and gauges read now, all O(1): /metrics asks on
+        every scrape."""
+        s = self.scheduler
+        memory = s.memory
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_grammar_waiting": len(s.grammar_wait),
+            "kv_total": memory.kv_pool.size,
+            "kv_used": memory.kv_pool.size - memory.available,  # not free, not evictable
+            "kv_cached": memory.cache.total_size,
+            "num_retractions": s.num_retractions,
+            "num_aborted": self.num_aborted,
+            "grammar_compile_s": s.grammar_compile_s.snapshot(),
+            "grammar_mask_s": s.grammar_mask_s.snapshot(),
         }
 
 

@@ -22,6 +22,27 @@ class ServerConfig(EngineConfig):
     api_key: str | None = field(
         default=None, metadata=_help("require 'Authorization: Bearer KEY' on every API route")
     )
+    api_keys_file: str | None = field(
+        default=None,
+        metadata=_help(
+            'JSON file {"KEY": "TENANT", ...}: each key is accepted, and tenants never share '
+            "prefix-cache entries (--api-key's tenant is 'default')"
+        ),
+    )
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata=_help(
+            "refuse requests with a 503 while this many samples wait for their first token "
+            "(default: unbounded)"
+        ),
+    )
+    request_timeout: float | None = field(
+        default=None,
+        metadata=_help("seconds after which an unfinished request is aborted (default: never)"),
+    )
+    max_request_body_bytes: int = field(
+        default=32 * 1024 * 1024, metadata=_help("refuse larger request bodies with a 413")
+    )
     served_model_name: str | None = field(
         default=None, metadata=_help("model name in the OpenAI API (default: the model path)")
     )
@@ -30,6 +51,22 @@ class ServerConfig(EngineConfig):
         metadata=_help("chat template file or Jinja string (default: the tokenizer's own)"),
     )
     enable_metrics: bool = field(default=False, metadata=_help("serve Prometheus /metrics"))
+    request_log: str | None = field(
+        default=None,
+        metadata=_help("append one JSON line per finished request to this file ('-' = stderr)"),
+    )
+    log_prompts: bool = field(
+        default=False,
+        metadata=_help("put the prompt and output texts in the request log (off: counts only)"),
+    )
+    # NOTE: as vLLM's --shutdown-timeout. Kubernetes kills a pod terminationGracePeriodSeconds
+    # (30 by default) after its SIGTERM: raise that above this grace, or the drain is cut short.
+    shutdown_grace_s: float = field(
+        default=30.0,
+        metadata=_help(
+            "on SIGTERM, seconds running requests get to finish before they fail (0 = at once)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -37,6 +74,20 @@ class ServerConfig(EngineConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (omit it to turn authentication off)")
+        if self.api_keys_file == "":
+            raise ValueError("api_keys_file must not be empty (omit it to turn tenants off)")
+        for name in ("max_queued_requests", "max_request_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if self.request_log == "":
+            raise ValueError("request_log must not be empty (omit it to turn the log off)")
+        if self.log_prompts and self.request_log is None:
+            raise ValueError("log_prompts needs request_log (the file the texts go to)")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -46,6 +97,8 @@ class ServerConfig(EngineConfig):
 
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         values = dataclasses.asdict(self)
-        if redact and values["api_key"] is not None:
-            values["api_key"] = "<set>"
+        if redact:
+            for name in ("api_key", "api_keys_file"):
+                if values[name] is not None:
+                    values[name] = "<set>"
         return values

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -85,6 +86,24 @@ class ServerProcess:
             key=lambda c: c.pid,
         )
         return spawned[{"scheduler": 0, "detokenizer": 1}[name]]
+
+    @contextmanager
+    def scheduler_paused(self) -> Iterator[None]:
+        """SIGSTOP the scheduler (no running request can finish by itself), SIGCONT at exit.
+        NOTE: /get_server_info asks the scheduler: it hangs while paused."""
+        scheduler = self.child("scheduler")
+        scheduler.suspend()
+        try:
+            yield
+        finally:
+            scheduler.resume()
+
+    def wait_health(self, status: int, timeout: float = 10.0) -> None:
+        """Until /health answers `status` (a signal is handled a moment after it is sent)."""
+        deadline = time.monotonic() + timeout
+        while (got := self.get("/health").status_code) != status:
+            assert time.monotonic() < deadline, f"/health is still {got}, not {status}"
+            time.sleep(0.01)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then check that the server and all its children are gone."""

@@ -11,6 +11,22 @@ OK_NATIVE = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4
 OK_COMPLETION = {"prompt": "Once upon a time", "max_tokens": 4}
 
 
+def _nested_schema(levels: int) -> str:
+    """JSON text of an object schema `levels` objects deep (json.dumps would recurse)."""
+    head = '{"type": "object", "properties": {"a": '
+    return head * levels + '{"type": "integer"}' + "}}" * levels
+
+
+def _ref_chain(length: int) -> dict:
+    """A schema whose $refs chain `length` shallow definitions."""
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(length)
+    }
+    defs[f"d{length}"] = {"type": "integer"}
+    return {"$defs": defs, "allOf": [{"$ref": "#/$defs/d0"}]}
+
+
 @pytest.fixture(scope="module")
 def server(stories_dir):
     srv = ServerProcess("--model-path", str(stories_dir), "--max-total-tokens", "4096")
@@ -100,6 +116,25 @@ NATIVE_CASES = [
         ["logprob_start_len"],
     ),
     ("image input", {"text": "Hi", "image_data": "x.png"}, 400, ["image_data", "not supported"]),
+    # found by tests/test_fuzz_api.py and tests/test_fuzz_params.py: each was a 5xx or a crash
+    (
+        "top_k past int64 (killed the scheduler)",
+        {"text": "Hi", "sampling_params": {"top_k": 2**64 - 1}},
+        400,
+        ["top_k"],
+    ),
+    (
+        "top_k past uint64 (could not be sent to the scheduler)",
+        {"text": "Hi", "sampling_params": {"top_k": 10**20}},
+        400,
+        ["top_k"],
+    ),
+    (
+        "a chain of 1000 $refs (llguidance overflowed its stack: the scheduler died)",
+        {"text": "Hi", "sampling_params": {"json_schema": _ref_chain(1000)}},
+        400,
+        ["json_schema", "nested too deeply"],
+    ),
 ]
 
 
@@ -153,6 +188,14 @@ OPENAI_CASES = [
     ("n zero", {**OK_COMPLETION, "n": 0}, 400, ["n must be"], "n"),
     ("logprobs too many", {**OK_COMPLETION, "logprobs": 50}, 400, ["logprobs"], "logprobs"),
     ("suffix", {**OK_COMPLETION, "suffix": "x"}, 400, ["suffix", "not supported"], "suffix"),
+    ("top_k past int64", {**OK_COMPLETION, "top_k": 2**64 - 1}, 400, ["top_k"], "top_k"),
+    (
+        "a json_schema nested past the json encoder",
+        {**OK_COMPLETION, "json_schema": _ref_chain(1000)},
+        400,
+        ["json_schema", "nested too deeply"],
+        "json_schema",
+    ),
 ]
 
 
@@ -187,3 +230,29 @@ def test_unknown_route_and_method(server):
 
 def test_metrics_off_by_default(server):
     assert server.get("/metrics").status_code == 404
+
+
+def test_forced_text_starting_inside_a_character(server):
+    # The grammar forces U+008F... after a token that ends inside its UTF-8 bytes: xgrammar
+    # cannot return that jump-forward string (it killed the scheduler).
+    body = {**OK_COMPLETION, "regex": "'\u008f\u00af\u00f1\u001d", "temperature": 0}
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith("'")
+    assert server.post("/v1/completions", OK_COMPLETION).status_code == 200
+
+
+def test_deeply_nested_bodies(server):
+    # Around the depth where the body decoder gives up, json.dumps / json.loads of the schema
+    # gave up first: a RecursionError, a 500. Every depth is a 400 now.
+    bodies = {
+        "/generate": '{{"text": "Hi", "sampling_params": {{"json_schema": {}}}}}',
+        "/v1/completions": '{{"prompt": "Hi", "max_tokens": 2, "json_schema": {}}}',
+    }
+    for levels in range(440, 520, 3):
+        for path, body in bodies.items():
+            data = body.format(_nested_schema(levels)).encode()
+            r = requests.post(server.url + path, data=data, timeout=30)
+            assert r.status_code == 400, (levels, r.text)
+            assert "nested too deeply" in r.json()["error"]["message"]
+    assert server.post("/generate", OK_NATIVE).status_code == 200

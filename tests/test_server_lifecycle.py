@@ -1,5 +1,5 @@
-"""Processes: clean stops on SIGTERM / SIGINT, a dead child fails pending requests instead of
-hanging them, API keys, startup failures, the CLI flags, and SGLang's own frontend client."""
+"""Processes: clean stops on SIGTERM (a drain) / SIGINT (at once), API keys, startup failures,
+the CLI flags, and SGLang's own frontend client. A dead child: see test_server_faults."""
 
 from __future__ import annotations
 
@@ -32,52 +32,26 @@ def test_a_signal_stops_every_process(stories_dir, sig):
     assert "weft: stopped" in srv.output
 
 
-def test_a_signal_during_a_stream_ends_it(stories_dir):
+@pytest.mark.parametrize(
+    ("signals", "grace_s", "drains"),
+    [
+        ([signal.SIGINT], 30, False),  # Ctrl-C: at once
+        ([signal.SIGTERM], 1, True),  # the stream runs on for the grace period, then fails
+        ([signal.SIGTERM, signal.SIGTERM], 30, False),  # a second signal cuts the drain short
+    ],
+    ids=["sigint", "sigterm-drain", "second-signal"],
+)
+def test_a_signal_during_a_stream_ends_it(stories_dir, signals, grace_s, drains):
     srv = ServerProcess(
         "--model-path",
         str(stories_dir),
         "--max-total-tokens",
         "2048",
-        "--max-running-requests",
-        "1",
+        "--shutdown-grace-s",
+        str(grace_s),
     )
     events: list = []
-
-    def stream() -> None:
-        # queued behind each other: the last ones are still pending when the signal comes
-        events.extend(
-            srv.stream(
-                "/generate", {"input_ids": [[1, 5, 9]] * 6, "stream": True, "sampling_params": LONG}
-            )
-        )
-
-    thread = threading.Thread(target=stream)
-    thread.start()
-    while not events:
-        time.sleep(0.01)
-    srv.proc.send_signal(signal.SIGTERM)
-    thread.join(30)
-    assert not thread.is_alive()
-    assert events[-1] == "[DONE]"
-    assert "shutting down" in events[-2]["error"]["message"]
-    assert srv.stop() == 0
-
-
-def test_a_dead_child_fails_pending_requests_and_health(stories_dir):
-    srv = ServerProcess(
-        "--model-path",
-        str(stories_dir),
-        "--max-total-tokens",
-        "2048",
-        "--max-running-requests",
-        "1",
-    )
-    results: dict = {}
-    events: list = []
-
-    def blocking() -> None:
-        r = srv.post("/generate", {"input_ids": [[1, 7, 8]] * 4, "sampling_params": LONG})
-        results["status"], results["body"] = r.status_code, r.json()
+    ended: list[float] = []
 
     def stream() -> None:
         events.extend(
@@ -85,23 +59,28 @@ def test_a_dead_child_fails_pending_requests_and_health(stories_dir):
                 "/generate", {"input_ids": [1, 5, 9], "stream": True, "sampling_params": LONG}
             )
         )
+        ended.append(time.monotonic())
 
-    threads = [threading.Thread(target=blocking), threading.Thread(target=stream)]
-    for t in threads:
-        t.start()
+    thread = threading.Thread(target=stream)
+    thread.start()
     deadline = time.monotonic() + 20
-    while srv.wait_idle(0)["num_pending"] < 5 and time.monotonic() < deadline:
+    while not events and time.monotonic() < deadline:
         time.sleep(0.01)
-    srv.child("scheduler").kill()
-    for t in threads:
-        t.join(30)
-        assert not t.is_alive(), "a pending request hung after the scheduler died"
-    assert results["status"] == 503
-    assert "scheduler process" in results["body"]["error"]["message"]
-    assert events[-1] == "[DONE]" and "error" in events[-2]
-    assert srv.get("/health").status_code == 503
-    r = srv.post("/generate", {"text": "Hi"})
-    assert r.status_code == 503 and "scheduler" in r.json()["error"]["message"]
+    with srv.scheduler_paused():  # the stream cannot finish by itself
+        sent = time.monotonic()
+        srv.proc.send_signal(signals[0])
+        if len(signals) > 1:
+            srv.wait_health(503)  # draining
+            srv.proc.send_signal(signals[1])
+        thread.join(30)
+    assert not thread.is_alive()
+    waited = ended[0] - sent
+    if drains:
+        assert 1.0 <= waited < 10.0, waited
+    else:
+        assert waited < 10.0, waited  # far from the 30 s grace
+    assert events[-1] == "[DONE]"
+    assert "shutting down" in events[-2]["error"]["message"]
     assert srv.stop() == 0
 
 
@@ -136,6 +115,12 @@ def test_api_key(stories_dir):
         assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="no", max_retries=0).models.list()
+        # the API's description is behind the key too, and says so
+        assert srv.get("/openapi.json").status_code == 401
+        doc = srv.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
+        assert doc["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+        assert "401" in doc["paths"]["/generate"]["post"]["responses"]
+        assert "401" not in doc["paths"]["/health"]["get"]["responses"]
     finally:
         assert srv.stop() == 0
 
@@ -213,6 +198,7 @@ def test_serve_flags_come_from_the_config(capsys):
         "--chat-template",
         "--log-level",
         "--enable-metrics",
+        "--shutdown-grace-s",
     ):
         assert flag in text, flag
     assert "(default: 30000)" in text

@@ -38,6 +38,7 @@ from weft.runtime.server.tool_calls import (
     plan_tools,
     structural_tag,
 )
+from weft.runtime.server_config import ServerConfig
 
 from conftest import fixture_path
 
@@ -558,6 +559,7 @@ class FakeTM:
     served_model_name = "m"
     source = SimpleNamespace(display_path="m")
     info = SimpleNamespace(context_length=32768, vocab_size=151936)
+    config = ServerConfig()
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -570,7 +572,7 @@ class FakeTM:
         self.built.append(SimpleNamespace(ids=ids, params=params))
         return self.built[-1]
 
-    def submit(self, reqs: list[Any], stream: bool = False) -> list[ReqState]:
+    def submit(self, reqs: list[Any], stream: bool = False, **_: Any) -> list[ReqState]:
         return [ReqState(rid="r", prompt_tokens=1, samples=[Sample()], listener=None)]  # type: ignore[arg-type]
 
 

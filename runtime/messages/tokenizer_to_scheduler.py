@@ -34,7 +34,13 @@ class FlushCache(msgspec.Struct, tag="flush_cache"):
     query_id: int
 
 
-ToScheduler = Generate | Abort | GetServerInfo | FlushCache
+class GetMetrics(msgspec.Struct, tag="metrics"):
+    """Counters and gauges for /metrics: cheap to answer (no integrity audit)."""
+
+    query_id: int
+
+
+ToScheduler = Generate | Abort | GetServerInfo | FlushCache | GetMetrics
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(ToScheduler)

@@ -18,6 +18,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -25,6 +26,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.type = type or _default_type(status)
+        self.headers = headers  # sent with the error response (e.g. Retry-After)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -55,12 +57,29 @@ def not_supported(what: str, param: str | None = None) -> ApiError:
     return ApiError(f"{what} is not supported yet", 400, param=param, code="not_supported")
 
 
+ERROR_KINDS = ("bad_request", "overloaded", "timeout", "internal", "aborted")
+
+
+def error_kind(status: int) -> str:
+    """The kind of an error status, as metrics and the request log name it."""
+    if status == 499:  # the client went away (nginx's code)
+        return "aborted"
+    if status in (429, 503):
+        return "overloaded"
+    if status in (408, 504):
+        return "timeout"
+    return "internal" if status >= 500 else "bad_request"
+
+
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
-def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
-    """A JSON body that does not parse or does not have the expected types."""
+def from_decode_error(exc: msgspec.DecodeError | RecursionError) -> ApiError:
+    """A JSON body that does not parse or does not have the expected types (a RecursionError:
+    nested deeper than the decoder goes)."""
+    if isinstance(exc, RecursionError):
+        return ApiError("malformed JSON body: nested too deeply", 400)
     text = str(exc)
     if isinstance(exc, msgspec.ValidationError):
         match = _AT.search(text) or _MISSING.search(text)

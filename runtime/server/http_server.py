@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.sampling_params import SamplingParams
-from weft.runtime.server import native_api, openai_api
+from weft.runtime.server import native_api, openai_api, openapi
 from weft.runtime.server.chat import ChatRenderer
-from weft.runtime.server.errors import ApiError
+from weft.runtime.server.errors import ApiError, error_kind
 from weft.runtime.server.metrics import CONTENT_TYPE
+from weft.runtime.server.middleware import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    load_api_keys,
+)
 from weft.runtime.server.native_api import json_response
 from weft.runtime.server.tokenizer_manager import TokenizerManager
 
@@ -29,7 +32,8 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 VERSION = "0.1.0"
 
 
-def build_app(tm: TokenizerManager) -> FastAPI:
+def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -> FastAPI:
+    """`api_keys`: key -> tenant (None: read from the config; empty: no authentication)."""
     config = tm.config
     chat = ChatRenderer(tm.tokenizer, config.chat_template)
 
@@ -45,26 +49,34 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
+
+    def count_error(status: int) -> None:
+        # NOTE: a 499 (the client went away) is counted when its aborted request ends
+        if tm.metrics is not None and status != 499:
+            tm.metrics.error(error_kind(status))
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
-        return json_response(exc.body(), exc.status)
+        count_error(exc.status)
+        return json_response(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        count_error(exc.status_code)
         return json_response(ApiError(str(exc.detail), exc.status_code).body(), exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("request failed")
+        count_error(500)
         error = ApiError(f"internal error: {type(exc).__name__}: {exc}", 500)
         return json_response(error.body(), 500)
 
     @app.get("/health")
     async def health() -> Response:
-        tm.check_alive()
+        tm.check_admitting()  # draining: load balancers must stop routing here
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -73,7 +85,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         tm.check_alive()
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         req = tm.build_request([_probe_token(tm)], params, False, rid=f"health-{id(params)}")
-        states = tm.submit([req])
+        states = tm.submit([req], api="health")
         try:
             await asyncio.wait_for(tm.wait(states), HEALTH_GENERATE_TIMEOUT_S)
         except TimeoutError:
@@ -113,12 +125,21 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     async def metrics() -> Response:
         if tm.metrics is None:
             raise ApiError("metrics are off: start the server with --enable-metrics", 404)
-        return Response(tm.metrics.render(), 200, media_type=CONTENT_TYPE)
+        # the scheduler's numbers are asked for per scrape; a dead scheduler's are left out
+        scheduler = await tm.query(to_sched.GetMetrics) if tm.healthy else None
+        return Response(tm.metrics.render(scheduler), 200, media_type=CONTENT_TYPE)
 
     native_api.register(app, tm)
     openai_api.register(app, tm, chat)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # type: ignore[arg-type]
+    # NOTE: the last added runs first: the key is checked before any of the body is read
+    app.add_middleware(
+        BodySizeLimitMiddleware,  # type: ignore[arg-type]
+        max_bytes=config.max_request_body_bytes,
+    )
+    keys = load_api_keys(config) if api_keys is None else api_keys
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)  # type: ignore[arg-type]
+    openapi.install(app, authenticated=bool(keys))
     return app
 
 
@@ -143,27 +164,3 @@ def _probe_token(tm: TokenizerManager) -> int:
     tok = tm.tokenizer
     bos = getattr(tok, "bos_token_id", None) if tok is not None else None
     return int(bos) if bos is not None else 0
-
-
-class ApiKeyMiddleware:
-    """'Authorization: Bearer KEY' on every route but /health* and /metrics (probes and
-    scrapers carry no key), as SGLang does. Plain ASGI: no per-request overhead beyond a compare."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _open_path(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            await self.app(scope, receive, send)
-            return
-        error = ApiError("invalid or missing API key", 401, code="invalid_api_key")
-        await json_response(error.body(), 401)(scope, receive, send)
-
-
-def _open_path(path: str) -> bool:
-    return path.startswith("/health") or path == "/metrics"

@@ -4,9 +4,13 @@
       |-- scheduler process    (model, KV pool, Scheduler)
       `-- detokenizer process  (incremental detokenization)
 
-Shutdown (SIGINT / SIGTERM): uvicorn stops accepting, pending requests end with a 503, the
-children get SIGTERM (SIGKILL after a grace period), the ipc folder is removed. Children also
-exit by themselves when this process dies without cleaning up (they watch their parent pid).
+Shutdown:
+  SIGTERM drains: new requests and /health get 503 while the running ones finish, for up to
+      --shutdown-grace-s; what is left then ends with a 503.
+  SIGINT (Ctrl-C), or a second signal during a drain: pending requests end with a 503 at once.
+Then uvicorn stops accepting, the children get SIGTERM (SIGKILL after a grace period) and the
+ipc folder is removed. Children also exit by themselves when this process dies without
+cleaning up (they watch their parent pid).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from weft.runtime.messages.common import Fatal, ModelInfo, Ready
 from weft.runtime.model_runner import ModelSource, resolve_source
 from weft.runtime.scheduler_process import run_scheduler_process
 from weft.runtime.server.http_server import build_app
+from weft.runtime.server.middleware import load_api_keys
 from weft.runtime.server.tokenizer_manager import TokenizerManager
 from weft.runtime.server_config import ServerConfig
 from weft.runtime.tokenizer import load_tokenizer
@@ -40,6 +45,8 @@ logger = logging.getLogger("weft")
 STARTUP_POLL_MS = 200
 FATAL_GRACE_MS = 5000
 CHILD_STOP_TIMEOUT_S = 5.0
+# uvicorn's own graceful shutdown, after weft's drain: only answers already decided (the last
+# chunks of streams, 503s) are still being written then
 GRACEFUL_SHUTDOWN_S = 5
 
 
@@ -116,13 +123,27 @@ def _wait_ready(inbox: zmq.Socket, children: ChildProcesses) -> ModelInfo:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: a ready line with the real port, and pending requests end at once when a
-    signal asks the server to stop (instead of holding the graceful shutdown open)."""
+    """uvicorn, plus: a ready line with the real port, and weft's shutdown. uvicorn's
+    `should_exit` is only set once the drain is over, and then nothing is left pending: its
+    graceful shutdown does not hold on to running requests."""
 
-    def __init__(self, config: uvicorn.Config, tm: TokenizerManager) -> None:
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, grace_s: float) -> None:
         super().__init__(config)
         self.tm = tm
+        self.grace_s = grace_s
+        self._drain_deadline: float | None = None
+        self._drain_announced = False
         self._failed_pending = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: a signal handler runs between any two bytecodes of the event loop: it only sets
+        # flags; on_tick acts on them.
+        draining = self._drain_deadline is not None
+        if sig == signal.SIGTERM and self.grace_s > 0 and not draining and not self.should_exit:
+            self._drain_deadline = time.monotonic() + self.grace_s
+            self.tm.draining = True
+            return
+        super().handle_exit(sig, frame)  # SIGINT, a second signal, or no grace: stop now
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
@@ -138,6 +159,16 @@ class _Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         # NOTE: done here, on the event loop, not in the signal handler: a handler interrupts
         # the loop at an arbitrary bytecode, in the middle of the manager's own bookkeeping.
+        if self._drain_deadline is not None and not self.should_exit:
+            if not self.tm.states or time.monotonic() >= self._drain_deadline:
+                self.should_exit = True
+            elif not self._drain_announced:
+                self._drain_announced = True
+                print(
+                    f"weft: draining {len(self.tm.states)} pending request(s) for at most "
+                    f"{self.grace_s:g} s (a second signal stops at once)",
+                    flush=True,
+                )
         if self.should_exit and not self._failed_pending:
             self._failed_pending = True
             self.tm.fail_all("the server is shutting down", 503)
@@ -154,6 +185,7 @@ def launch_server(config: ServerConfig) -> int:
     model = config.model_path or "the embedded default model"
     print(f"weft: loading {model}; will listen on http://{config.host}:{config.port}", flush=True)
     try:
+        api_keys = load_api_keys(config)  # a bad keys file fails before the model loads
         source = resolve_source(config.engine_config)
         ipc = IpcNames.create()
         inbox = pull_socket(ctx, ipc.tokenizer)
@@ -164,7 +196,8 @@ def launch_server(config: ServerConfig) -> int:
         tm = TokenizerManager(
             config, source, tokenizer, info, ctx, inbox, ipc.scheduler, children.procs
         )
-        server = _Server(_uvicorn_config(build_app(tm), config), tm)
+        app = build_app(tm, api_keys)
+        server = _Server(_uvicorn_config(app, config), tm, config.shutdown_grace_s)
         signals.serving = True  # uvicorn owns SIGINT/SIGTERM from here on
         server.run()
         print("weft: stopped", flush=True)

@@ -1,6 +1,14 @@
-"""Prometheus metrics of one server (its own registry: no process-global state)."""
+"""Prometheus metrics of one server (its own registry: no process-global state).
+
+The HTTP process observes what it sees (tokens arriving, requests finishing, errors returned);
+the scheduler's numbers (queues, KV usage, retractions, grammar times) are fetched from it when
+/metrics is scraped, so they cost the scheduler nothing while nobody scrapes.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -10,6 +18,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from weft.runtime.server.errors import ERROR_KINDS
 
 _LATENCY_BUCKETS = (
     0.01,
@@ -26,6 +43,21 @@ _LATENCY_BUCKETS = (
     40.0,
     80.0,
     160.0,
+)
+_ITL_BUCKETS = (
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -46,11 +78,34 @@ class ServerMetrics:
         self.cached_tokens = Counter(
             "weft:cached_tokens", "prompt tokens served from the prefix cache", registry=r
         )
-        self.running = Gauge("weft:num_running_reqs", "requests in flight", registry=r)
+        self.pending = Gauge(
+            "weft:num_pending_reqs", "requests submitted and not finished yet", registry=r
+        )
+        self.cache_hit_rate = Gauge(
+            "weft:cache_hit_rate",
+            "prompt tokens served from the prefix cache / prompt tokens, over finished requests",
+            registry=r,
+        )
+        self.errors = Counter(
+            "weft:num_errors",
+            "failed or aborted requests by kind (an error response, an error event in a stream, "
+            "or an abort)",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ERROR_KINDS:
+            self.errors.labels(kind)  # every kind is exported, at 0 until it happens
         self.ttft = Histogram(
             "weft:time_to_first_token_seconds",
             "time to first token",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "weft:inter_token_latency_seconds",
+            "time between a sample's tokens as the server receives them (a chunk of k tokens "
+            "counts k gaps of 1/k of its wait each)",
+            buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
@@ -59,6 +114,8 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.scheduler = SchedulerStats()
+        r.register(self.scheduler)
 
     def request_done(
         self, prompt: int, completion: int, cached: int, latency: float, reason: str
@@ -69,5 +126,83 @@ class ServerMetrics:
         self.cached_tokens.inc(cached)
         self.e2e.observe(latency)
 
-    def render(self) -> bytes:
+    def tokens_arrived(self, tokens: int, wait_s: float) -> None:
+        """`tokens` new tokens of a sample after `wait_s` since its previous token."""
+        for _ in range(tokens):
+            self.itl.observe(wait_s / tokens)
+
+    def error(self, kind: str) -> None:
+        """One failed or aborted request (`errors.error_kind` names the kind of a status)."""
+        self.errors.labels(kind).inc()
+
+    def render(self, scheduler: dict[str, Any] | None) -> bytes:
+        """The exposition text, with the scheduler's numbers as just fetched (None: left out)."""
+        self.scheduler.latest = scheduler
         return generate_latest(self.registry)
+
+
+class SchedulerStats:
+    """A collector serving the scheduler's reply to `GetMetrics` (see
+    `SchedulerService.metrics`) in SGLang's metric names."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.latest
+        if s is None:
+            return
+        yield GaugeMetricFamily(
+            "weft:num_running_reqs", "requests in the running batch", value=s["num_running"]
+        )
+        yield GaugeMetricFamily(
+            "weft:num_queue_reqs", "requests waiting to be scheduled", value=s["num_waiting"]
+        )
+        yield GaugeMetricFamily(
+            "weft:num_grammar_queue_reqs",
+            "requests waiting for their grammar to compile",
+            value=s["num_grammar_waiting"],
+        )
+        total = s["kv_total"]
+        yield GaugeMetricFamily("weft:max_total_num_tokens", "KV pool size in tokens", value=total)
+        yield GaugeMetricFamily(
+            "weft:num_used_tokens",
+            "KV slots in use: neither free nor evictable prefix cache",
+            value=s["kv_used"],
+        )
+        yield GaugeMetricFamily(
+            "weft:token_usage", "num_used_tokens / max_total_num_tokens", value=s["kv_used"] / total
+        )
+        yield GaugeMetricFamily(
+            "weft:num_cached_tokens", "KV slots held by the prefix cache", value=s["kv_cached"]
+        )
+        yield CounterMetricFamily(
+            "weft:num_retracted_requests",
+            "requests retracted (their KV freed) to let the others decode",
+            value=s["num_retractions"],
+        )
+        yield CounterMetricFamily(
+            "weft:num_aborted_requests",
+            "requests the scheduler aborted (abort_request, a client gone)",
+            value=s["num_aborted"],
+        )
+        yield _histogram(
+            "weft:grammar_compilation_time_seconds",
+            "grammar compile time per constrained request (near 0 on a cache hit)",
+            s["grammar_compile_s"],
+        )
+        yield _histogram(
+            "weft:grammar_mask_time_seconds",
+            "time filling the grammar token masks, per step with constrained requests",
+            s["grammar_mask_s"],
+        )
+
+
+def _histogram(name: str, documentation: str, snapshot: dict[str, Any]) -> Metric:
+    """A Prometheus histogram from a `BucketCounts.snapshot()`."""
+    buckets = []
+    cumulative = 0
+    for bound, count in zip([*snapshot["bounds"], float("inf")], snapshot["counts"], strict=True):
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=snapshot["sum"])

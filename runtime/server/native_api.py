@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
+from weft.runtime.server.middleware import tenant_of
 from weft.runtime.server.sglang_params import parse_sampling_params
 from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
 
@@ -77,10 +78,10 @@ class _Parsed:
     constraint_params: dict[str, str]  # rid -> the sampling_params field of its constraint
 
 
-def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
+def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None) -> _Parsed:
     try:
         obj = msgspec.json.decode(body, type=GenerateReqInput)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise from_decode_error(exc) from None
     for name in _UNSUPPORTED:
         value = getattr(obj, name)
@@ -101,7 +102,9 @@ def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
             if not isinstance(obj.sampling_params, list)
             else f"sampling_params[{i}]"
         )
-        sp, explicit = parse_sampling_params(params[i], tm.info.vocab_size, where)
+        sp, explicit = parse_sampling_params(
+            params[i], tm.info.vocab_size, where, tm.config.request_limits
+        )
         if want[i] not in (None, True, False):
             raise bad_request("return_logprob must be a bool", "return_logprob")
         start = None
@@ -117,6 +120,7 @@ def parse_generate(body: bytes, tm: TokenizerManager) -> _Parsed:
                 rids[i],
                 param="input_ids" if obj.text is None else "text",
                 cache_salt=obj.cache_salt,
+                tenant=tenant,
             )
         )
         if sp.constraint is not None:
@@ -231,8 +235,12 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-def json_response(content: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(content), status, media_type="application/json")
+def json_response(
+    content: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        msgspec.json.encode(content), status, headers=headers, media_type="application/json"
+    )
 
 
 def sse(content: Any) -> bytes:
@@ -270,8 +278,9 @@ async def _stream(
 def register(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        parsed = parse_generate(await request.body(), tm)
-        states = tm.submit(parsed.reqs, stream=parsed.stream)
+        tenant = tenant_of(request)
+        parsed = parse_generate(await request.body(), tm, tenant)
+        states = tm.submit(parsed.reqs, stream=parsed.stream, tenant=tenant)
         if parsed.stream:
             return StreamingResponse(
                 _stream(tm, states, parsed.text_in_logprobs, parsed.constraint_params),
@@ -292,15 +301,16 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
     async def abort_request(request: Request) -> Response:
         try:
             body = msgspec.json.decode(await request.body() or b"{}", type=dict[str, Any])
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise from_decode_error(exc) from None
         rid = body.get("rid")
+        tenant = tenant_of(request)  # with API keys, a tenant aborts its own requests only
         if body.get("abort_all"):
             for state_rid in list(tm.states):
-                tm.abort(state_rid)
+                tm.abort(state_rid, tenant)
             return json_response({"success": True})
         if not isinstance(rid, str) or not rid:
             raise bad_request("rid must be a non-empty string", "rid")
-        if not tm.abort(rid):
+        if not tm.abort(rid, tenant):
             raise ApiError(f"no running request has rid {rid!r}", 404, param="rid")
         return json_response({"success": True})

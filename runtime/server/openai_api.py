@@ -23,12 +23,13 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from weft.grammars.spec import JSON_OBJECT_SCHEMA
+from weft.grammars.spec import JSON_OBJECT_SCHEMA, MAX_SPEC_CHARS
 from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
+from weft.runtime.server.middleware import tenant_of
 from weft.runtime.server.native_api import (
     SSE_DONE,
     client_gone,
@@ -74,7 +75,7 @@ _SAMPLING_FIELDS = {
 def _decode(body: bytes, cls: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=cls)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise from_decode_error(exc) from None
 
 
@@ -89,7 +90,7 @@ def _check_model(tm: TokenizerManager, model: str | None) -> str:
     )
 
 
-def response_format_constraint(fmt: Any) -> str | None:
+def response_format_constraint(fmt: Any, max_chars: int = MAX_SPEC_CHARS) -> str | None:
     """Chat's `response_format` -> the JSON schema text it asks the output to match (None: free
     text); a 400 names the bad part."""
     if fmt is None:
@@ -122,17 +123,17 @@ def response_format_constraint(fmt: Any) -> str | None:
     if not isinstance(schema, dict):
         what = "is missing" if schema is None else "must be a JSON schema object"
         raise bad_request(f"{where}.schema {what}", f"{where}.schema")
-    return check_constraint("json_schema", schema, f"{where}.schema")
+    return check_constraint("json_schema", schema, f"{where}.schema", max_chars)
 
 
 def _constraint(
-    req: _SamplingFields, extra: Sequence[tuple[str, str, str]]
+    req: _SamplingFields, extra: Sequence[tuple[str, str, str]], max_chars: int = MAX_SPEC_CHARS
 ) -> tuple[str, str] | None:
     """The request's one output constraint as (SamplingParams field, spec text), from the
     extension fields and `extra` ((field, text, OpenAI param) from response_format or tools)."""
     found = []
     for name in _EXTENSION_CONSTRAINTS:
-        text = check_constraint(name, getattr(req, name), name)
+        text = check_constraint(name, getattr(req, name), name, max_chars)
         if text is not None:
             found.append((name, text, name))
     found.extend(extra)
@@ -149,13 +150,16 @@ def _sampling(
     max_tokens: int | None,
     default_max: int | None,
     extra_constraints: Sequence[tuple[str, str, str]] = (),
+    max_tokens_param: str = "max_tokens",
 ) -> tuple[SamplingParams, bool]:
-    """(params, max_tokens given explicitly); errors name the OpenAI field."""
-    constraint = _constraint(req, extra_constraints)
+    """(params, max_tokens given explicitly); errors name the OpenAI field (`max_tokens_param`
+    is the one the client set: max_tokens or max_completion_tokens)."""
+    limits = tm.config.request_limits
+    constraint = _constraint(req, extra_constraints, limits.max_grammar_chars)
     if req.logit_bias:
         raise not_supported("logit_bias", "logit_bias")
     if max_tokens is not None and max_tokens < 0:
-        raise bad_request(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+        raise bad_request(f"{max_tokens_param} must be >= 0, got {max_tokens}", max_tokens_param)
     values: dict[str, Any] = {}
     for src, dst in _SAMPLING_FIELDS.items():
         value = getattr(req, src)
@@ -168,17 +172,21 @@ def _sampling(
     explicit = max_tokens is not None
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else tm.info.context_length - prompt_len
+        if limits.max_new_tokens is not None:  # a request that asked for nothing is not refused
+            max_tokens = min(max_tokens, limits.max_new_tokens)
     values["max_new_tokens"] = max(max_tokens, 0)
     try:
         params = SamplingParams(**values)
-        params.validate(tm.info.vocab_size)
+        params.validate(tm.info.vocab_size, limits)
     except (ValueError, TypeError) as exc:
         message = (
-            str(exc).replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
+            str(exc)
+            .replace("max_new_tokens", max_tokens_param)
+            .replace("min_new_tokens", "min_tokens")
         )
         param = message.split(" ", 1)[0]
         raise ApiError(
-            message, 400, param=param if param in values or param == "max_tokens" else None
+            message, 400, param=param if param in values or param == max_tokens_param else None
         ) from None
     return params, explicit
 
@@ -444,10 +452,17 @@ def _logprob_settings(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def _chat_job(req: ChatCompletionRequest, tm: TokenizerManager, chat: ChatRenderer) -> _Job:
+def _chat_job(
+    req: ChatCompletionRequest,
+    tm: TokenizerManager,
+    chat: ChatRenderer,
+    tenant: str | None = None,
+) -> _Job:
     model = _check_model(tm, req.model)
     chat.check_available()
-    json_schema = response_format_constraint(req.response_format)
+    json_schema = response_format_constraint(
+        req.response_format, tm.config.request_limits.max_grammar_chars
+    )
     if json_schema is not None and req.tools:
         raise bad_request("response_format cannot be combined with tools", "response_format")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, chat.template_text)
@@ -460,10 +475,10 @@ def _chat_job(req: ChatCompletionRequest, tm: TokenizerManager, chat: ChatRender
     prompt = chat.render(req.messages, plan.tools if plan is not None else None)
     # NOTE: the rendered template carries its own BOS (if any): add no special tokens.
     ids = tm.tokenize(prompt, "messages", add_special_tokens=False)
-    max_tokens = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    )
-    params, explicit = _sampling(req, tm, len(ids), max_tokens, None, extra)
+    max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens is not None:
+        max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
+    params, explicit = _sampling(req, tm, len(ids), max_tokens, None, extra, max_tokens_param)
     gen = tm.build_request(
         ids,
         params,
@@ -472,10 +487,11 @@ def _chat_job(req: ChatCompletionRequest, tm: TokenizerManager, chat: ChatRender
         top or 0,
         req.rid,
         param="messages",
-        max_tokens_param="max_tokens",
+        max_tokens_param=max_tokens_param,
         cache_salt=req.cache_salt,
+        tenant=tenant,
     )
-    states = tm.submit([gen], stream=bool(req.stream))
+    states = tm.submit([gen], stream=bool(req.stream), api="openai.chat", tenant=tenant)
     param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
     return _Job(tm, model, "chat", states, top, tools=plan, constraint_param=param)
 
@@ -505,7 +521,9 @@ def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[in
     )
 
 
-def _completion_job(req: CompletionRequest, tm: TokenizerManager) -> _Job:
+def _completion_job(
+    req: CompletionRequest, tm: TokenizerManager, tenant: str | None = None
+) -> _Job:
     model = _check_model(tm, req.model)
     if req.suffix:
         raise not_supported("suffix", "suffix")
@@ -534,6 +552,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager) -> _Job:
                 param="prompt",
                 max_tokens_param="max_tokens",
                 cache_salt=req.cache_salt,
+                tenant=tenant,
             )
         )
         param = _constraint_param(params)
@@ -543,7 +562,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager) -> _Job:
         tm,
         model,
         "text",
-        tm.submit(gens, stream=bool(req.stream)),
+        tm.submit(gens, stream=bool(req.stream), api="openai.completions", tenant=tenant),
         top,
         echo_prompts=texts if req.echo else [],
         constraint_param=param,
@@ -563,13 +582,13 @@ def register(app: FastAPI, tm: TokenizerManager, chat: ChatRenderer) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = _decode(await request.body(), ChatCompletionRequest)
-        job = _chat_job(req, tm, chat)
+        job = _chat_job(req, tm, chat, tenant_of(request))
         return await _respond(job, bool(req.stream), req.stream_options, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = _decode(await request.body(), CompletionRequest)
-        job = _completion_job(req, tm)
+        job = _completion_job(req, tm, tenant_of(request))
         return await _respond(job, bool(req.stream), req.stream_options, request)
 
     async def _respond(job: _Job, stream: bool, options: Any, request: Request) -> Response:

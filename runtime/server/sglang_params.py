@@ -16,12 +16,15 @@ import dataclasses
 import json
 from typing import Any
 
-from weft.grammars.spec import InvalidSpec, parse_spec
-from weft.runtime.sampling_params import CONSTRAINT_FIELDS, SamplingParams
+from weft.grammars.spec import MAX_SPEC_CHARS, InvalidSpec, parse_spec
+from weft.runtime.sampling_params import (
+    CONSTRAINT_FIELDS,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    RequestLimits,
+    SamplingParams,
+)
 from weft.runtime.server.errors import ApiError, bad_request, not_supported
-
-MAX_STOP_STRINGS = 32
-MAX_STOP_LEN = 1024
 
 _OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _JSON_FIELDS = frozenset({"json_schema", "structural_tag"})  # may also come as a JSON object
@@ -30,9 +33,14 @@ _IGNORED_FIELDS = frozenset({"stream_interval", "custom_params"})
 
 
 def parse_sampling_params(
-    values: Any, vocab_size: int, where: str = "sampling_params"
+    values: Any,
+    vocab_size: int,
+    where: str = "sampling_params",
+    limits: RequestLimits | None = None,
 ) -> tuple[SamplingParams, bool]:
-    """Returns the params and whether max_new_tokens was given explicitly."""
+    """Returns the params and whether max_new_tokens was given explicitly. Without it, the
+    default is lowered to the server's cap (a request that asked for nothing is not refused)."""
+    limits = limits or RequestLimits()
     if values is None:
         values = {}
     if not isinstance(values, dict):
@@ -43,7 +51,7 @@ def parse_sampling_params(
         if value is None:
             continue
         if key in CONSTRAINT_FIELDS:
-            text = check_constraint(key, value, f"{where}.{key}")
+            text = check_constraint(key, value, f"{where}.{key}", limits.max_grammar_chars)
             if text is None:
                 continue
             if constraints:
@@ -77,15 +85,23 @@ def parse_sampling_params(
             raise bad_request(f"unknown sampling parameter {key!r}", f"{where}.{key}")
         kwargs[key] = value
     _check_lists(kwargs, where)
+    explicit = "max_new_tokens" in kwargs
+    cap = limits.max_new_tokens
+    if not explicit and cap is not None:
+        kwargs["max_new_tokens"] = min(SamplingParams.max_new_tokens, cap)
     try:
         params = SamplingParams(**kwargs)
-        params.validate(vocab_size)
+        params.validate(vocab_size, limits)
     except (ValueError, TypeError) as exc:
-        raise ApiError(f"invalid {where}: {exc}", 400, param=where) from None
-    return params, "max_new_tokens" in kwargs
+        named = str(exc).split(" ", 1)[0]
+        param = f"{where}.{named}" if named in kwargs else where
+        raise ApiError(f"invalid {where}: {exc}", 400, param=param) from None
+    return params, explicit
 
 
-def check_constraint(field: str, value: Any, param: str) -> str | None:
+def check_constraint(
+    field: str, value: Any, param: str, max_chars: int = MAX_SPEC_CHARS
+) -> str | None:
     """One constraint field's value -> its spec text (None: unset, as null or "" are).
 
     json_schema and structural_tag may come as JSON objects; they are sent on as JSON text. The
@@ -95,14 +111,17 @@ def check_constraint(field: str, value: Any, param: str) -> str | None:
     if value is None or value == "":  # SGLang reads an empty constraint as "unset"
         return None
     if field in _JSON_FIELDS and isinstance(value, dict):
-        text = json.dumps(value, ensure_ascii=False)
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except RecursionError:  # the body decoder goes a little deeper than json does
+            raise bad_request(f"invalid {param}: nested too deeply", param) from None
     elif isinstance(value, str):
         text = value
     else:
         kinds = "a string or a JSON object" if field in _JSON_FIELDS else "a string"
         raise bad_request(f"{param} must be {kinds}, got {type(value).__name__}", param)
     try:
-        parse_spec(field, text)
+        parse_spec(field, text, max_chars)
     except InvalidSpec as exc:
         raise bad_request(f"invalid {param}: {exc}", param) from None
     return text

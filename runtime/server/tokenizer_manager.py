@@ -26,14 +26,17 @@ from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.messages.common import Fatal, LogprobEntry, ModelInfo, Ready, Reply
 from weft.runtime.model_runner import ModelSource
-from weft.runtime.sampling_params import SamplingParams
-from weft.runtime.server.errors import ApiError, bad_request
+from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
+from weft.runtime.server.errors import ApiError, bad_request, error_kind
 from weft.runtime.server.metrics import ServerMetrics
+from weft.runtime.server.middleware import cache_namespace
+from weft.runtime.server.request_log import RequestLog, request_record
 from weft.runtime.server_config import ServerConfig
 
 logger = logging.getLogger("weft")
 
 QUERY_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Sample:
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_logprobs: list[LogprobEntry] | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finished_at: float | None = None
     # what the consumer has not seen yet (a stream sends one chunk per wake-up, not per token)
     dirty: bool = False
@@ -67,10 +71,26 @@ class ReqState:
     error: ApiError | None = None
     want_logprobs: bool = False
     stream: bool = False  # wake the listener on every update (else on finish only)
+    api: str = "native"  # the API that took it (for the request log)
+    tenant: str | None = None  # who sent it, where API keys name tenants
+    prompt_ids: list[int] | None = None  # kept only for the request log's texts
+    deadline: asyncio.TimerHandle | None = None  # --request-timeout's timer
 
     @property
     def finished(self) -> bool:
         return self.error is not None or all(s.finished for s in self.samples)
+
+    def outcome(self) -> tuple[str, str | None]:
+        """("ok", None), ("aborted", why), or (an error kind, its message)."""
+        if self.error is not None:
+            return error_kind(self.error.status), self.error.message
+        for sample in self.samples:
+            reason = sample.finish_reason or {}
+            if reason.get("type") == "abort":
+                status = reason.get("status_code")
+                kind = error_kind(status) if isinstance(status, int) else "aborted"
+                return kind, str(reason.get("message") or "aborted")
+        return "ok", None
 
     @property
     def e2e_latency(self) -> float | None:
@@ -101,6 +121,12 @@ class TokenizerManager:
         self.served_model_name = config.served_model_name or source.display_path
         self.children = list(children)
         self.metrics = ServerMetrics() if config.enable_metrics else None
+        if self.metrics is not None:  # gauges read at scrape time
+            self.metrics.pending.set_function(lambda: len(self.states))
+            self.metrics.cache_hit_rate.set_function(lambda: self.cache_hit_rate)
+        self.request_log = (
+            RequestLog(config.request_log, config.log_prompts) if config.request_log else None
+        )
         self._to_scheduler = push_socket(ctx, scheduler_address)
         self._inbox_sync = inbox
         self._inbox: zmq.asyncio.Socket | None = None
@@ -111,6 +137,9 @@ class TokenizerManager:
         self._anchor: int | None = None
         self._recv_task: asyncio.Task[None] | None = None
         self.dead: str | None = None  # why the server cannot serve any more
+        # NOTE: set by the launcher's SIGTERM handler: refuse new requests while running ones
+        # finish (a plain flag: a signal handler must not touch the states)
+        self.draining = False
         self.started_at = time.time()
         # totals over finished requests (the server's cache hit rate)
         self.num_finished = 0
@@ -134,6 +163,9 @@ class TokenizerManager:
         self.fail_all("the server is shutting down", 503)
         if self._recv_task is not None:
             self._recv_task.cancel()
+        if self.request_log is not None:
+            self.request_log.close()
+            self.request_log = None
 
     def _child_exited(self, name: str, proc: BaseProcess) -> None:
         asyncio.get_running_loop().remove_reader(proc.sentinel)
@@ -153,6 +185,12 @@ class TokenizerManager:
     def check_alive(self) -> None:
         if self.dead is not None:
             raise ApiError(f"the server cannot serve requests: {self.dead}", 503)
+
+    def check_admitting(self) -> None:
+        """New requests (and /health): refused when the server is dead or draining."""
+        self.check_alive()
+        if self.draining:
+            raise ApiError("the server is shutting down: it accepts no new requests", 503)
 
     # ---- tokens -----------------------------------------------------------------------------
 
@@ -207,8 +245,10 @@ class TokenizerManager:
         param: str = "text",
         max_tokens_param: str = "max_new_tokens",
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> to_sched.GenerateRequest:
-        """Checks that need the model: prompt and output length against the context."""
+        """Checks that need the model: prompt and output length against the context (and the
+        server's --max-prompt-tokens)."""
         context = self.info.context_length
         if len(ids) >= context:
             raise ApiError(
@@ -217,6 +257,15 @@ class TokenizerManager:
                 400,
                 param=param,
                 code="context_length_exceeded",
+            )
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            raise ApiError(
+                f"the prompt is too long: {len(ids)} tokens, this server takes at most {limit} "
+                "(--max-prompt-tokens)",
+                400,
+                param=param,
+                code="prompt_too_long",
             )
         if max_tokens_explicit and len(ids) + params.max_new_tokens > context:
             raise ApiError(
@@ -236,9 +285,10 @@ class TokenizerManager:
                     f"length ({len(ids)})",
                     "logprob_start_len",
                 )
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 1024:
+        top_max = MAX_TOP_LOGPROBS_NUM
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= top_max:
             raise bad_request(
-                "top_logprobs_num must be an integer in [0, 1024]", "top_logprobs_num"
+                f"top_logprobs_num must be an integer in [0, {top_max}]", "top_logprobs_num"
             )
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise bad_request("rid must be a non-empty string", "rid")
@@ -250,17 +300,28 @@ class TokenizerManager:
             params=params,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
-            # NOTE: the prefix cache only matches within a namespace: requests with another salt
-            # never reuse this one's KV (nor it theirs)
-            namespace="" if cache_salt is None else "salt:" + cache_salt,
+            # NOTE: the prefix cache only matches within a namespace: requests of another
+            # tenant, or with another salt, never reuse this one's KV (nor it theirs)
+            namespace=cache_namespace(tenant, cache_salt),
         )
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def submit(self, reqs: list[to_sched.GenerateRequest], stream: bool = False) -> list[ReqState]:
+    def submit(
+        self,
+        reqs: list[to_sched.GenerateRequest],
+        stream: bool = False,
+        api: str = "native",
+        tenant: str | None = None,
+    ) -> list[ReqState]:
         """Send a batch in one message; one state per prompt (n samples each), sharing one
-        listener. A stream's listener wakes on every update, otherwise on finish only."""
-        self.check_alive()
+        listener. A stream's listener wakes on every update, otherwise on finish only. `api`
+        names the route in the request log.
+
+        With --max-queued-requests N, a batch is refused (503, nothing sent) while N samples
+        wait for their first token; it is admitted whole otherwise."""
+        self.check_admitting()
+        self._check_queue()
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids) or any(rid in self.states for rid in rids):
             raise bad_request("rid is already in use by a running request", "rid")
@@ -274,17 +335,65 @@ class TokenizerManager:
                 listener=listener,
                 want_logprobs=r.logprob_start_len is not None,
                 stream=stream,
+                api=api,
+                tenant=tenant,
+                prompt_ids=r.input_ids if self.config.log_prompts else None,
             )
             self.states[r.rid] = state
             states.append(state)
         self._send(to_sched.Generate(reqs))
-        if self.metrics is not None:
-            self.metrics.running.set(len(self.states))
+        timeout = self.config.request_timeout
+        if timeout is not None:
+            loop = asyncio.get_running_loop()
+            for state in states:
+                state.deadline = loop.call_later(timeout, self._time_out, state)
         return states
 
-    def abort(self, rid: str) -> bool:
-        """Stop a running request; its KV goes back to the pool (the scheduler frees it)."""
-        if rid not in self.states:
+    @property
+    def num_queued(self) -> int:
+        """Samples with no token yet: waiting in the scheduler, for a grammar, or prefilling."""
+        return sum(
+            1
+            for state in self.states.values()
+            if state.error is None
+            for s in state.samples
+            if s.first_token_at is None and not s.finished
+        )
+
+    def _check_queue(self) -> None:
+        limit = self.config.max_queued_requests
+        if limit is None:
+            return
+        queued = self.num_queued
+        if queued >= limit:
+            raise ApiError(
+                f"the server is busy: {queued} requests wait to start (at most {limit}, each of "
+                "n samples counted; --max-queued-requests); retry later",
+                503,
+                code="server_busy",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    def _time_out(self, state: ReqState) -> None:
+        """--request-timeout: the client gets a 504 now; the scheduler aborts the request (its
+        KV goes back to the pool) and its abort finish removes the state as usual."""
+        if self.states.get(state.rid) is not state or state.finished:
+            return
+        state.error = ApiError(
+            f"the request did not finish within {self.config.request_timeout:g} s "
+            "(--request-timeout)",
+            504,
+            code="request_timeout",
+        )
+        if self.dead is None:
+            self._send(to_sched.Abort([state.rid]))
+        state.listener.set()
+
+    def abort(self, rid: str, tenant: str | None = None) -> bool:
+        """Stop a running request; its KV goes back to the pool (the scheduler frees it). A
+        tenant only finds its own requests."""
+        state = self.states.get(rid)
+        if state is None or state.tenant != tenant:
             return False
         self._send(to_sched.Abort([rid]))
         return True
@@ -322,7 +431,10 @@ class TokenizerManager:
                 raise state.error
 
     async def query(
-        self, msg_type: type[to_sched.GetServerInfo] | type[to_sched.FlushCache]
+        self,
+        msg_type: type[to_sched.GetServerInfo]
+        | type[to_sched.FlushCache]
+        | type[to_sched.GetMetrics],
     ) -> dict[str, Any]:
         self.check_alive()
         qid = next(self._query_ids)
@@ -343,8 +455,11 @@ class TokenizerManager:
     def fail_all(self, message: str, status: int) -> None:
         error = ApiError(message, status)
         for state in self.states.values():
+            if state.deadline is not None:
+                state.deadline.cancel()
             state.error = error
             state.listener.set()
+            self._record(state)
         self.states.clear()
         for future in self._queries.values():
             if not future.done():
@@ -378,10 +493,8 @@ class TokenizerManager:
             if state is None:
                 continue  # failed or aborted meanwhile
             sample = state.samples[u.index]
-            if u.new_ids and sample.first_token_at is None:
-                sample.first_token_at = now
-                if self.metrics is not None:
-                    self.metrics.ttft.observe(now - state.created)
+            if u.new_ids:
+                self._tokens_arrived(state, sample, len(u.new_ids), now)
             sample.text += u.text
             sample.output_ids.extend(u.new_ids)
             sample.cached_tokens = u.cached_tokens
@@ -399,8 +512,22 @@ class TokenizerManager:
             elif state.stream:
                 state.listener.set()
 
+    def _tokens_arrived(self, state: ReqState, sample: Sample, count: int, now: float) -> None:
+        """TTFT at a sample's first token; one ITL gap per later token: a chunk of k tokens
+        after a wait w counts k gaps of w / k, tokens that came with the first one gaps of 0."""
+        previous, sample.last_token_at = sample.last_token_at, now
+        if sample.first_token_at is None:
+            sample.first_token_at = now
+            if self.metrics is not None:
+                self.metrics.ttft.observe(now - state.created)
+                self.metrics.tokens_arrived(count - 1, 0.0)
+        elif self.metrics is not None and previous is not None:
+            self.metrics.tokens_arrived(count, now - previous)
+
     def _finished(self, state: ReqState) -> None:
         del self.states[state.rid]
+        if state.deadline is not None:
+            state.deadline.cancel()
         completion = sum(len(s.output_ids) for s in state.samples)
         cached = min(s.cached_tokens for s in state.samples)
         self.num_finished += 1
@@ -413,17 +540,37 @@ class TokenizerManager:
             self.metrics.request_done(
                 state.prompt_tokens, completion, cached, latency or 0.0, reason.get("type", "")
             )
-            self.metrics.running.set(len(self.states))
+        self._record(state)
+
+    def _record(self, state: ReqState) -> None:
+        """A request ended (finished, or failed by `fail_all`): its error count and log line."""
+        kind, _ = state.outcome()
+        # NOTE: an error answered as an HTTP error is counted by the app's error handler; a
+        # stream's error goes out as an event instead (its 200 is sent already)
+        if self.metrics is not None and (kind == "aborted" or (kind != "ok" and state.stream)):
+            self.metrics.error(kind)
+        if self.request_log is not None:
+            prompt = None
+            if self.request_log.with_texts:
+                ids = state.prompt_ids or []
+                prompt = str(self.tokenizer.decode(ids)) if self.tokenizer is not None else ""
+            self.request_log.write(request_record(state, prompt))
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Cached / prompt tokens over the finished requests."""
+        prompt = self.prompt_tokens_total
+        return self.cached_tokens_total / prompt if prompt else 0.0
 
     def stats(self) -> dict[str, Any]:
-        prompt = self.prompt_tokens_total
         return {
             "num_pending": len(self.states),
+            "num_queued": self.num_queued,
             "num_finished": self.num_finished,
-            "prompt_tokens_total": prompt,
+            "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "completion_tokens_total": self.completion_tokens_total,
-            "cache_hit_rate": self.cached_tokens_total / prompt if prompt else 0.0,
+            "cache_hit_rate": self.cache_hit_rate,
         }
 
 

@@ -151,6 +151,8 @@ def _check_parameters(value: Any, where: str) -> dict[str, Any]:
         raise bad_request(f"{param} must be a JSON schema object", param)
     try:
         parse_spec("json_schema", json.dumps(value))
+    except RecursionError:  # the body decoder goes a little deeper than json does
+        raise bad_request(f"invalid {param}: nested too deeply", param) from None
     except InvalidSpec as exc:
         raise bad_request(f"invalid {param}: {exc}", param) from None
     return value

@@ -1,0 +1,449 @@
+"""The OpenAPI document at /openapi.json: FastAPI's paths, with the bodies and status codes the
+handlers really take and give.
+
+The handlers decode their JSON bodies themselves (msgspec), so FastAPI knows nothing of them.
+The body schemas here come from the same msgspec structs (`msgspec.json.schema_components`);
+the fields those structs type as Any (a scalar or a per-prompt list, checked by hand) and the
+value ranges `SamplingParams.validate` enforces are spelled out below. A schema-valid body can
+still be a 400 (a prompt longer than the context, a grammar that does not compile): every
+operation that takes a body declares it.
+
+With an API key set the document is behind the key like the API it describes (only the probes
+and /metrics are open), and it declares the bearer scheme and the 401.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from weft.runtime.sampling_params import (
+    CONSTRAINT_FIELDS,
+    MAX_N,
+    MAX_SEED,
+    MAX_TOP_K,
+    SamplingParams,
+)
+from weft.runtime.server.native_api import GenerateReqInput
+from weft.runtime.server.openai_api import MAX_TOP_LOGPROBS, RESPONSE_FORMATS
+from weft.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+_REF = "#/components/schemas/{name}"
+NULL = {"type": "null"}
+STRING = {"type": "string"}
+TEXT = {"type": "string", "minLength": 1}
+INT = {"type": "integer"}
+BOOL = {"type": "boolean"}
+OBJECT = {"type": "object"}
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+# What SamplingParams.validate accepts, by field name (SGLang's and OpenAI's spellings).
+_RANGES: dict[str, dict[str, Any]] = {
+    "max_new_tokens": {"minimum": 0},
+    "max_tokens": {"minimum": 0},
+    "max_completion_tokens": {"minimum": 0},
+    "min_new_tokens": {"minimum": 0},
+    "min_tokens": {"minimum": 0},
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": MAX_TOP_K},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"minimum": 0.01, "maximum": 2},
+    "n": {"minimum": 1, "maximum": MAX_N},
+    "seed": {"minimum": 0, "maximum": MAX_SEED},
+    "sampling_seed": {"minimum": 0, "maximum": MAX_SEED},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    "top_logprobs_num": {"minimum": 0, "maximum": 1024},
+    "logprob_start_len": {"minimum": -1},
+}
+# SGLang's sampling_params keys that are not SamplingParams fields: accepted only with the
+# values listed (anything else is a 400 "not supported"), or accepted and without effect.
+_SGLANG_EXTRAS: dict[str, dict[str, Any]] = {
+    "sampling_seed": INT,
+    "stop_regex": {"anyOf": [{"const": ""}, {"type": "array", "maxItems": 0}]},
+    "logit_bias": {"type": "object", "maxProperties": 0},
+    "beam_width": {"const": 1},
+    "watermark": NULL,
+    "stream_interval": INT,
+    "custom_params": {},
+}
+_JSON_CONSTRAINTS = ("json_schema", "structural_tag")
+_NOT_SUPPORTED_YET: dict[str, Any] = {
+    "enum": [None, False, [], {}],
+    "description": "not supported yet",
+}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": _REF.format(name=name)}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` or null (a null field means its default)."""
+    if not schema or schema == NULL:
+        return schema
+    branches = schema["anyOf"] if list(schema) == ["anyOf"] else [schema]
+    return schema if NULL in branches else {"anyOf": [*branches, NULL]}
+
+
+def _one_or_list(schema: dict[str, Any]) -> dict[str, Any]:
+    """A value for every prompt, or a list with one per prompt of a batch."""
+    return _nullable({"anyOf": [schema, {"type": "array", "items": schema, "minItems": 1}]})
+
+
+def _with_range(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """The field's schema with its range on the numeric branch."""
+    bounds = _RANGES.get(name)
+    if bounds is None:
+        return schema
+    if schema.get("type") in ("integer", "number"):
+        return {**schema, **bounds}
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [_with_range(name, branch) for branch in schema["anyOf"]]}
+    return schema
+
+
+def _request_schemas() -> dict[str, Any]:
+    structs = [GenerateReqInput, CompletionRequest, ChatCompletionRequest, SamplingParams]
+    _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    for name in ("CompletionRequest", "ChatCompletionRequest", "GenerateReqInput"):
+        props = components[name]["properties"]
+        for field, schema in props.items():
+            props[field] = _with_range(field, schema)
+    _sampling_params(components["SamplingParams"])
+    _generate_body(components["GenerateReqInput"])
+    openai_prompt = [TEXT, _list_of(TEXT), TOKEN_IDS, _list_of(TOKEN_IDS)]
+    completion = components["CompletionRequest"]
+    completion["properties"]["prompt"] = {"anyOf": openai_prompt}
+    completion["properties"]["suffix"] = _nullable({"type": "string", "maxLength": 0})
+    completion["required"] = ["prompt"]
+    chat = components["ChatCompletionRequest"]["properties"]
+    chat["response_format"] = _nullable(_ref("ResponseFormat"))
+    chat["tools"] = _nullable({"type": "array", "items": _ref("Tool")})
+    chat["tool_choice"] = _nullable({"anyOf": [STRING, OBJECT]})
+    for props in (completion["properties"], chat):
+        props["logit_bias"] = _nullable({"type": "object", "maxProperties": 0})
+    components["ResponseFormat"] = {
+        "type": "object",
+        "properties": {
+            "type": {"enum": list(RESPONSE_FORMATS)},
+            "json_schema": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                    "schema": OBJECT,
+                    "strict": _nullable(BOOL),
+                },
+                "required": ["name", "schema"],
+            },
+        },
+        "required": ["type"],
+    }
+    components["Tool"] = {
+        "type": "object",
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "properties": {"name": STRING, "description": STRING, "parameters": OBJECT},
+                "required": ["name"],
+            },
+        },
+        "required": ["type", "function"],
+    }
+    components["AbortRequest"] = {
+        "type": "object",
+        "properties": {
+            "rid": TEXT,
+            "abort_all": BOOL,
+        },
+    }
+    return components
+
+
+def _sampling_params(schema: dict[str, Any]) -> None:
+    """SGLang's `sampling_params`: SamplingParams' fields, null meaning the default."""
+    props = schema["properties"]
+    props["stop"] = {"anyOf": [STRING, props["stop"]]}
+    for name in CONSTRAINT_FIELDS:  # json_schema and structural_tag: JSON text or the JSON
+        props[name] = {"anyOf": [STRING, OBJECT]} if name in _JSON_CONSTRAINTS else STRING
+    props.update(_SGLANG_EXTRAS)
+    for name, field in list(props.items()):
+        field = {key: value for key, value in field.items() if key != "default"}
+        props[name] = _nullable(_with_range(name, field))
+    schema["additionalProperties"] = False  # an unknown key is a 400 naming it
+
+
+def _generate_body(schema: dict[str, Any]) -> None:
+    props = schema["properties"]
+    for field in props.values():
+        field.pop("default", None)  # null, and every field is nullable
+    props["text"] = _nullable({"anyOf": [TEXT, _list_of(TEXT)]})
+    props["input_ids"] = _nullable({"anyOf": [TOKEN_IDS, _list_of(TOKEN_IDS)]})
+    props["sampling_params"] = _one_or_list(_ref("SamplingParams"))
+    props["rid"] = _one_or_list(TEXT)
+    props["return_logprob"] = _one_or_list(BOOL)
+    props["logprob_start_len"] = _one_or_list(_with_range("logprob_start_len", INT))
+    props["top_logprobs_num"] = _one_or_list(_with_range("top_logprobs_num", INT))
+    props["cache_salt"] = _nullable(TEXT)
+    for name in (
+        "image_data",
+        "video_data",
+        "audio_data",
+        "input_embeds",
+        "lora_path",
+        "session_params",
+        "custom_logit_processor",
+        "token_ids_logprob",
+        "return_hidden_states",
+    ):
+        props[name] = _NOT_SUPPORTED_YET
+    # exactly one of the two prompts (a 400 otherwise)
+    schema["anyOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
+
+
+def _list_of(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": item, "minItems": 1}
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": STRING,
+                "type": STRING,
+                "param": _nullable(STRING),
+                "code": _nullable(STRING),
+            },
+            "required": ["message", "type", "param", "code"],
+        }
+    },
+    "required": ["error"],
+}
+_USAGE = {
+    "type": "object",
+    "properties": {
+        "prompt_tokens": INT,
+        "completion_tokens": INT,
+        "total_tokens": INT,
+    },
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+}
+RESPONSE_SCHEMAS: dict[str, Any] = {
+    "Error": ERROR,
+    "GenerateOutput": {
+        "type": "object",
+        "properties": {
+            "text": STRING,
+            "output_ids": {"type": "array", "items": INT},
+            "meta_info": OBJECT,
+        },
+        "required": ["text", "output_ids", "meta_info"],
+    },
+    "Completion": {
+        "type": "object",
+        "properties": {
+            "id": STRING,
+            "object": {"enum": ["text_completion", "chat.completion"]},
+            "created": INT,
+            "model": STRING,
+            "choices": {"type": "array", "items": OBJECT},
+            "usage": _USAGE,
+        },
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+    },
+    "Model": {
+        "type": "object",
+        "properties": {"id": STRING, "object": {"const": "model"}, "owned_by": STRING},
+        "required": ["id", "object"],
+    },
+    "ModelList": {
+        "type": "object",
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": _ref("Model")},
+        },
+        "required": ["object", "data"],
+    },
+}
+
+
+# One event of a stream: a JSON chunk (an error object ends a failed stream), then "[DONE]".
+_SSE_EVENT = {"type": "object", "properties": {"data": STRING}, "required": ["data"]}
+
+
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _text(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"text/plain": {"schema": STRING}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(description, _ref("Error"))
+
+
+def _json_or_stream(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    content = {
+        "application/json": {"schema": schema},
+        "text/event-stream": {"schema": _SSE_EVENT},  # "stream": true
+    }
+    return {"description": description, "content": content}
+
+
+_INVALID = _error("invalid request: the error's `param` names the field")
+_UNAVAILABLE = _error("the server cannot serve: a child process died, or it is stopping")
+_NO_MODEL = _error("no such model (the `model` field)")
+_TOO_LARGE = _error("the body is larger than --max-request-body-bytes")
+_TIMED_OUT = _error("the request did not finish within --request-timeout")
+_EMPTY_OK = {"description": "serving"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Operation:
+    body: str | None  # component name of the JSON body
+    responses: dict[str, dict[str, Any]]
+    body_required: bool = True
+    open: bool = False  # served without the API key (probes, scrapers)
+
+
+_GENERATE = _json_or_stream(
+    "one output, or a list for a batch or n > 1; a stream of SSE events with stream=true",
+    {"anyOf": [_ref("GenerateOutput"), {"type": "array", "items": _ref("GenerateOutput")}]},
+)
+_COMPLETION = _json_or_stream("the completion; SSE chunks with stream=true", _ref("Completion"))
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("get", "/health"): Operation(None, {"200": _EMPTY_OK, "503": _UNAVAILABLE}, open=True),
+    ("get", "/health_generate"): Operation(
+        None,
+        {"200": _EMPTY_OK, "503": _error("no token came through the pipeline in time")},
+        open=True,
+    ),
+    ("get", "/get_model_info"): Operation(None, {"200": _json("the model", OBJECT)}),
+    ("get", "/get_server_info"): Operation(
+        None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}
+    ),
+    ("get", "/server_info"): Operation(
+        None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}
+    ),
+    ("get", "/flush_cache"): Operation(
+        None,
+        {
+            "200": _text("flushed"),
+            "400": _error("requests are running"),
+            "503": _UNAVAILABLE,
+        },
+    ),
+    ("post", "/flush_cache"): Operation(
+        None,
+        {
+            "200": _text("flushed"),
+            "400": _error("requests are running"),
+            "503": _UNAVAILABLE,
+        },
+    ),
+    ("get", "/metrics"): Operation(
+        None,
+        {
+            "200": _text("Prometheus text format"),
+            "404": _error("metrics are off"),
+            "503": _UNAVAILABLE,
+        },
+        open=True,
+    ),
+    ("post", "/generate"): Operation(
+        "GenerateReqInput",
+        {
+            "200": _GENERATE,
+            "400": _INVALID,
+            "413": _TOO_LARGE,
+            "503": _UNAVAILABLE,
+            "504": _TIMED_OUT,
+        },
+    ),
+    ("post", "/abort_request"): Operation(
+        "AbortRequest",
+        {
+            "200": _json("aborted", {"type": "object", "properties": {"success": BOOL}}),
+            "400": _INVALID,
+            "404": _error("no running request has this rid"),
+            "413": _TOO_LARGE,
+        },
+        body_required=False,
+    ),
+    ("get", "/v1/models"): Operation(None, {"200": _json("the served model", _ref("ModelList"))}),
+    ("get", "/v1/models/{model}"): Operation(
+        None, {"200": _json("the model", _ref("Model")), "404": _NO_MODEL}
+    ),
+    ("post", "/v1/completions"): Operation(
+        "CompletionRequest",
+        {
+            "200": _COMPLETION,
+            "400": _INVALID,
+            "404": _NO_MODEL,
+            "413": _TOO_LARGE,
+            "503": _UNAVAILABLE,
+            "504": _TIMED_OUT,
+        },
+    ),
+    ("post", "/v1/chat/completions"): Operation(
+        "ChatCompletionRequest",
+        {
+            "200": _COMPLETION,
+            "400": _INVALID,
+            "404": _NO_MODEL,
+            "413": _TOO_LARGE,
+            "503": _UNAVAILABLE,
+            "504": _TIMED_OUT,
+        },
+    ),
+}
+
+
+def document(app: FastAPI, authenticated: bool) -> dict[str, Any]:
+    """FastAPI's document of the app's routes, with OPERATIONS' bodies and responses."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(_request_schemas())
+    schemas.update(RESPONSE_SCHEMAS)
+    if authenticated:
+        doc["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    for path, methods in doc["paths"].items():
+        for method, op in methods.items():
+            described = OPERATIONS.get((method, path))
+            if described is None:
+                continue
+            op["responses"] = copy.deepcopy(described.responses)
+            if described.body is not None:
+                op["requestBody"] = {
+                    "required": described.body_required,
+                    "content": {"application/json": {"schema": _ref(described.body)}},
+                }
+            if authenticated and not described.open:
+                op["security"] = [{"apiKey": []}]
+                op["responses"]["401"] = _error("invalid or missing API key")
+    return doc
+
+
+def install(app: FastAPI, authenticated: bool) -> None:
+    """Serve `document` at the app's openapi_url (built once, on the first request)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(app, authenticated)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,168 @@
+"""Hostile output constraints against a live stories260K server: each is a 400 naming the
+problem, a compile timeout, or a normal answer, and a plain request sent while it is in flight
+finishes at once, never stalled behind it.
+
+The server runs xgrammar alone with a short compile timeout, so that a grammar too big to
+compile in time is an error instead of going to the next backend (which compiles the same
+alternation in a tenth of the time). Bodies are built as JSON text: json.dumps would recurse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from weft.grammars.manager import MAX_FORCED_REPEATS, forced_repeats
+from weft.grammars.spec import GrammarSpec
+
+from server_utils import ServerProcess
+
+COMPILE_TIMEOUT_S = 0.25  # xgrammar takes ~1 s for ALTERNATION here
+PLAIN_LIMIT_S = 2.0  # a plain 8-token request takes ~0.05 s
+PLAIN = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8}}
+
+
+def _nested_schema(levels: int) -> str:
+    head = '{"type": "object", "properties": {"a": '
+    return head * levels + '{"type": "integer"}' + ', "required": ["a"]}}' * levels
+
+
+ALTERNATION = "(" + "|".join(f"w{i}x" for i in range(33_000)) + ")"  # 253k characters
+ENUM = json.dumps({"enum": [f"s{i}" for i in range(100_000)]})
+EBNF_NESTED = "root ::= " + "(" * 10_000 + '"x"' + ")" * 10_000
+EBNF_CHAIN = "\n".join(
+    ["root ::= r0", *(f'r{i} ::= "(" r{i + 1} ")"' for i in range(2000)), 'r2000 ::= "x"']
+)
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir):
+    srv = ServerProcess(
+        "--model-path",
+        str(stories_dir),
+        "--max-total-tokens",
+        "4096",
+        "--grammar-backend",
+        "xgrammar",
+        "--grammar-compile-timeout",
+        str(COMPILE_TIMEOUT_S),
+    )
+    # the first constraint converts the vocabulary (not under the compile timeout)
+    srv.generate({"text": "Hi", "sampling_params": {"max_new_tokens": 2, "regex": "[a-z]+"}})
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
+def _send(server: ServerProcess, field: str, spec_json: str) -> tuple[requests.Response, float]:
+    """POST a request constrained by `spec_json` (JSON text) and, while it is in flight, a plain
+    one; returns the constrained response and the plain request's latency."""
+    body = (
+        '{"text": "Once upon a time", "sampling_params": '
+        f'{{"max_new_tokens": 16, "temperature": 0, "{field}": {spec_json}}}}}'
+    )
+    with ThreadPoolExecutor(1) as pool:
+        bad = pool.submit(
+            requests.post,
+            server.url + "/generate",
+            data=body.encode(),
+            headers={"content-type": "application/json"},
+            timeout=120,
+        )
+        time.sleep(0.05)
+        start = time.perf_counter()
+        plain = server.post("/generate", PLAIN)
+        elapsed = time.perf_counter() - start
+        response = bad.result()
+    assert plain.status_code == 200, plain.text
+    assert len(plain.json()["output_ids"]) == 8
+    return response, elapsed
+
+
+def _error(response: requests.Response, param: str) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    return error["message"]
+
+
+def test_schema_nested_1000_deep(server):
+    r, plain_s = _send(server, "json_schema", json.dumps(_nested_schema(1000)))
+    assert "nested too deeply" in _error(r, "sampling_params.json_schema")
+    assert plain_s < PLAIN_LIMIT_S
+    # the same schema as a JSON object: deeper than the body decoder goes
+    r, plain_s = _send(server, "json_schema", _nested_schema(1000))
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    assert plain_s < PLAIN_LIMIT_S
+
+
+def test_enum_of_100k_strings(server):
+    r, plain_s = _send(server, "json_schema", ENUM)
+    assert "too large" in _error(r, "sampling_params.json_schema")
+    assert plain_s < PLAIN_LIMIT_S
+
+
+def test_huge_alternation_times_out(server):
+    r, plain_s = _send(server, "regex", json.dumps(ALTERNATION))
+    message = _error(r, "sampling_params.regex")
+    assert f"compile timed out after {COMPILE_TIMEOUT_S:g} s" in message, message
+    assert plain_s < PLAIN_LIMIT_S
+
+
+def test_backtracking_shape_is_harmless(server):
+    # (a+)+b backtracks exponentially in a backtracking engine; the backends build automata
+    r, plain_s = _send(server, "regex", json.dumps("(a+)+b"))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert re.fullmatch("a*b?", out["text"]), out["text"]
+    if out["meta_info"]["finish_reason"]["type"] == "stop":
+        assert re.fullmatch("(a+)+b", out["text"])
+    assert plain_s < PLAIN_LIMIT_S
+
+
+@pytest.mark.parametrize(
+    "field,spec",
+    [
+        ("regex", "((a{1000}){1000}){1000}"),
+        ("json_schema", {"type": "array", "minItems": 10**7, "items": {"const": "x"}}),
+    ],
+    ids=["regex", "json_schema"],
+)
+def test_forced_repetition_does_not_stall_the_scheduler(server, field, spec):
+    # Both force 10^7..10^9 characters: asking the backend for the forced text (jump-forward)
+    # took seconds to minutes on the scheduler's loop, stalling every request.
+    r, plain_s = _send(server, field, json.dumps(spec))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["output_ids"]) == 16
+    assert plain_s < PLAIN_LIMIT_S
+
+
+def test_ebnf_nested_10000_deep(server):
+    r, plain_s = _send(server, "ebnf", json.dumps(EBNF_NESTED))
+    assert "nest" in _error(r, "sampling_params.ebnf").lower()
+    assert plain_s < PLAIN_LIMIT_S
+
+
+def test_ebnf_recursing_through_2000_rules(server):
+    r, plain_s = _send(server, "ebnf", json.dumps(EBNF_CHAIN))
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == "(" * 16  # the grammar forces 2000 "(" first
+    assert plain_s < PLAIN_LIMIT_S
+
+
+def test_forced_repeats_multiply_along_nesting_only():
+    def repeats(kind: str, text: str) -> int:
+        return forced_repeats(GrammarSpec(kind, text))
+
+    assert repeats("regex", "((a{1000}){1000}){1000}") > MAX_FORCED_REPEATS
+    assert repeats("regex", "a{1000}b{1000}") == 1000  # in a row: they add up, not multiply
+    assert repeats("regex", "(a{10}){10}b{10}") == 100
+    assert repeats("regex", r"[{]{5}\{{3}\d{3}-\d{4}") == 5
+    assert repeats("ebnf", 'root ::= r{40}\nr ::= "a"{40}') == 1600  # through rules: all
+    schema = {"type": "array", "minItems": 2000, "items": {"const": "x"}}
+    assert repeats("json_schema", json.dumps(schema)) == 2000

@@ -1,0 +1,236 @@
+"""API-key tenants (--api-keys-file): who may call, and the proof that no tenant ever gets a
+prefix-cache hit on another tenant's KV while a tenant does hit its own (cache_salt splits a
+tenant further)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from weft.runtime.server.middleware import cache_namespace, read_api_keys_file
+from weft.runtime.server_config import ServerConfig
+
+from server_utils import ServerProcess
+
+KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+SINGLE_KEY = "key-single"  # --api-key: tenant "default"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+class KeyedServer(ServerProcess):
+    """GETs carry a key (the KV audit's /get_server_info among them); POSTs only the headers a
+    test gives."""
+
+    def get(self, path: str, **kwargs: Any) -> requests.Response:
+        kwargs.setdefault("headers", bearer(SINGLE_KEY))
+        return super().get(path, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys_file.write_text(json.dumps(KEYS))
+    srv = KeyedServer(
+        "--model-path",
+        str(stories_dir),
+        "--max-total-tokens",
+        "4096",
+        "--context-length",
+        "4096",
+        "--served-model-name",
+        "stories",
+        "--api-keys-file",
+        str(keys_file),
+        "--api-key",
+        SINGLE_KEY,
+    )
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
+def generate(srv: ServerProcess, key: str, body: dict) -> requests.Response:
+    return srv.post("/generate", body, headers=bearer(key))
+
+
+def test_every_key_is_accepted_and_no_other(server):
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+    r = server.post("/generate", body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert generate(server, "key-gamma", body).status_code == 401
+    assert generate(server, "key-alph", body).status_code == 401  # a prefix is not the key
+    for key in [*KEYS, SINGLE_KEY]:
+        r = generate(server, key, body)
+        assert r.status_code == 200, (key, r.text)
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200  # no key needed
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="key-beta", max_retries=0)
+    assert client.completions.create(model="stories", prompt="Hi", max_tokens=2).choices
+
+
+def test_server_info_shows_no_key(server):
+    r = server.get("/get_server_info", headers=bearer("key-alpha"))
+    assert r.status_code == 200
+    info = r.json()
+    assert info["api_key"] == "<set>" and info["api_keys_file"] == "<set>"
+    for key in [*KEYS, SINGLE_KEY]:
+        assert key not in r.text
+
+
+def _prompt(first: int) -> list[int]:
+    """300 token ids starting with a token no other prompt here starts with."""
+    return [first] + [(7 * i + first) % 500 + 5 for i in range(299)]
+
+
+def _cached(server: ServerProcess, key: str, ids: list[int], salt: str | None = None) -> int:
+    body: dict = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = generate(server, key, body)
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]["cached_tokens"]
+
+
+def test_tenants_never_hit_each_others_prefix_cache(server):
+    ids = _prompt(501)
+    full = len(ids) - 1  # a repeat reuses all but the last prompt token
+    assert _cached(server, "key-alpha", ids) == 0
+    assert _cached(server, "key-beta", ids) == 0  # alpha's KV is not beta's
+    assert _cached(server, SINGLE_KEY, ids) == 0  # nor the default tenant's
+    assert _cached(server, "key-alpha", ids) == full  # each tenant hits its own
+    assert _cached(server, "key-beta", ids) == full
+    assert _cached(server, SINGLE_KEY, ids) == full
+
+
+def test_tenants_in_the_openai_api(server):
+    ids = _prompt(502)
+
+    def cached(key: str) -> int:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+        out = client.completions.create(model="stories", prompt=ids, max_tokens=1)
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("key-beta") == 0
+    assert cached("key-alpha") == 0
+    assert cached("key-beta") == len(ids) - 1
+
+
+def test_cache_salt_splits_a_tenant(server):
+    ids = _prompt(503)
+    full = len(ids) - 1
+    assert _cached(server, "key-alpha", ids, salt="s1") == 0
+    assert _cached(server, "key-alpha", ids, salt="s2") == 0
+    assert _cached(server, "key-alpha", ids) == 0  # no salt is a namespace of its own
+    assert _cached(server, "key-beta", ids, salt="s1") == 0  # same salt, another tenant
+    assert _cached(server, "key-alpha", ids, salt="s1") == full
+    assert _cached(server, "key-beta", ids, salt="s1") == full
+
+
+def test_a_tenant_aborts_its_own_requests_only(server):
+    events: list = []
+    first = threading.Event()
+
+    def alpha_stream() -> None:
+        body = {
+            "input_ids": [1, 5, 9],
+            "stream": True,
+            "rid": "alpha-run",
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},  # ~10 s or more
+        }
+        with requests.post(
+            server.url + "/generate",
+            json=body,
+            headers=bearer("key-alpha"),
+            stream=True,
+            timeout=60,
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    thread = threading.Thread(target=alpha_stream)
+    thread.start()
+    assert first.wait(30)
+    r = server.post("/abort_request", {"rid": "alpha-run"}, headers=bearer("key-beta"))
+    assert r.status_code == 404  # beta does not see alpha's request
+    assert server.post("/abort_request", {"abort_all": True}, headers=bearer("key-beta")).ok
+    assert server.server_info()["num_pending"] == 1 and thread.is_alive()
+    r = server.post("/abort_request", {"rid": "alpha-run"}, headers=bearer("key-alpha"))
+    assert r.status_code == 200
+    thread.join(30)
+    assert events[-1] == b"[DONE]"
+    assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_cache_namespaces_are_distinct():
+    names = {
+        cache_namespace(None, None),
+        cache_namespace("a", None),
+        cache_namespace(None, "a"),
+        cache_namespace("a", "b"),
+        cache_namespace("b", "a"),
+        cache_namespace("a", "b/salt:c"),
+    }
+    assert len(names) == 6
+    assert cache_namespace("a", "b") == "tenant:a/salt:b"
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("{", ["not valid JSON"]),
+        ('["k"]', ["JSON object"]),
+        ("{}", ["non-empty JSON object"]),
+        ('{"k": 5}', ["non-empty string"]),
+        ('{"k": ""}', ["non-empty string"]),
+        ('{"": "t"}', ["empty key"]),
+        ('{"k": "a/b"}', ["'/'"]),
+        ('{"k": "a", "k": "b"}', ["twice", "'a'", "'b'"]),
+    ],
+)
+def test_a_bad_keys_file_says_why(tmp_path, text, words):
+    path = tmp_path / "keys.json"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        read_api_keys_file(path)
+    for word in words:
+        assert word in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_the_single_key_must_not_name_another_tenant(tmp_path):
+    from weft.runtime.server.middleware import load_api_keys
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"k1": "alpha", "k2": "default"}))
+    config = ServerConfig(api_keys_file=str(path), api_key="k2")
+    assert load_api_keys(config) == {"k1": "alpha", "k2": "default"}
+    with pytest.raises(ValueError, match="ambiguous"):
+        load_api_keys(ServerConfig(api_keys_file=str(path), api_key="k1"))
+
+
+def test_a_missing_keys_file_stops_the_start(tmp_path):
+    missing: Path = tmp_path / "none.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "weft.launch_server", "--api-keys-file", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "weft: cannot start: cannot read --api-keys-file" in proc.stderr
+    assert str(missing) in proc.stderr
