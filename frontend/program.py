@@ -175,7 +175,9 @@ class _TraceBackend(Backend):
         self._renderer = renderer
 
     async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
-        return GenResult("" if params.get("max_new_tokens") == 0 else "<gen>")
+        # one token per character, as in prompt_logprobs below
+        meta = {"prompt_tokens": len(prompt)}
+        return GenResult("" if params.get("max_new_tokens") == 0 else "<gen>", meta)
 
     async def generate_stream(
         self, prompt: str, params: dict[str, Any]

@@ -409,12 +409,11 @@ class ProgramState:
 
     async def _score(self, label: str, node: Select) -> tuple[int, dict[str, Any]]:
         prefix = self._text
-        prefix_ids: list[int] = []
-        if prefix:  # also puts the prefix in the radix cache before the choices share it
-            entries = await self._logprobs(label, prefix, 0)
-            prefix_ids = [tid for _, tid in entries]
+        tail = _Tail(0, [])
+        if prefix:
+            tail = await self._prefix_tail(label, prefix)
         cond = await asyncio.gather(
-            *(self._choice_logprobs(label, prefix, prefix_ids, c) for c in node.choices)
+            *(self._choice_logprobs(label, prefix, tail, c) for c in node.choices)
         )
         uncond = None
         if node.method == "unconditional_likelihood_normalized":
@@ -435,20 +434,36 @@ class ProgramState:
         result: TokenLogprobs = await self._ctx.request("score", label, prompt, params, aw)
         return result
 
+    async def _prefix_tail(self, label: str, prefix: str) -> _Tail:
+        """Cache the prefix, then read the ids of its last few tokens.
+
+        NOTE: the prefix is sent unscored first: a scored prompt position is always computed
+        (its logits are needed), so scoring the whole prefix would prefill all of it again for
+        every select, however much of it the radix cache holds. Only the last
+        `_BOUNDARY_WINDOW` tokens are scored, to find where a choice's tokens begin.
+        """
+        warm = {"max_new_tokens": 0}
+        result = await self._ctx.request(
+            "warm", label, prefix, warm, self._ctx.backend.generate(prefix, warm)
+        )
+        length = result.meta.get("prompt_tokens")
+        start = max(0, length - _BOUNDARY_WINDOW) if isinstance(length, int) else 0
+        entries = await self._logprobs(label, prefix, start)
+        return _Tail(start, [tid for _, tid in entries])
+
     async def _choice_logprobs(
-        self, label: str, prefix: str, prefix_ids: list[int], choice: str
+        self, label: str, prefix: str, tail: _Tail, choice: str
     ) -> list[float]:
         # NOTE: prefix + choice may tokenize differently at the seam (" yes" swallowing the
         # prefix's trailing space); the choice's tokens start where the ids first differ.
-        start = max(0, len(prefix_ids) - _BOUNDARY_WINDOW)
-        entries = await self._logprobs(label, prefix + choice, start)
-        at = _seam(prefix_ids, [tid for _, tid in entries], start)
-        if at is None:  # differs already at the window's start: read the whole prompt
-            start = 0
+        entries = await self._logprobs(label, prefix + choice, tail.start)
+        at = tail.seam([tid for _, tid in entries])
+        if at is None:  # differs already at the window's start: read the whole prompts
+            tail = _Tail(0, [tid for _, tid in await self._logprobs(label, prefix, 0)])
             entries = await self._logprobs(label, prefix + choice, 0)
-            at = _seam(prefix_ids, [tid for _, tid in entries], 0)
+            at = tail.seam([tid for _, tid in entries])
             assert at is not None
-        return [lp for lp, _ in entries[at - start :] if lp is not None]
+        return [lp for lp, _ in entries[at - tail.start :] if lp is not None]
 
     async def _run_JoinPoint(self, node: _JoinPoint) -> None:
         for s in node.children:
@@ -479,14 +494,22 @@ class ProgramState:
             c._ready.set_result(None)
 
 
-def _seam(prefix_ids: list[int], ids: list[int], start: int) -> int | None:
-    """Position of the choice's first token in the full prompt; `ids` starts at `start`."""
-    i = start
-    while i < len(prefix_ids) and i - start < len(ids) and ids[i - start] == prefix_ids[i]:
-        i += 1
-    if i == start and start > 0:
-        return None
-    return i
+@dataclass(frozen=True)
+class _Tail:
+    """The token ids of a prefix from position `start` to its end."""
+
+    start: int
+    ids: list[int]
+
+    def seam(self, ids: list[int]) -> int | None:
+        """Position of the choice's first token in prefix + choice, whose ids from `start` on
+        are `ids`; None when they differ already at `start` (> 0): the window was too short."""
+        n = 0
+        while n < len(self.ids) and n < len(ids) and ids[n] == self.ids[n]:
+            n += 1
+        if n == 0 and self.start > 0:
+            return None
+        return self.start + n
 
 
 async def _none() -> None:

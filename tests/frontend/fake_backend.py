@@ -46,7 +46,7 @@ class FakeBackend(Backend):
         if self.fail_on is not None and self.fail_on in prompt:
             raise BackendError("HTTP 400 from /generate: boom")
         if params.get("max_new_tokens") == 0:
-            return GenResult("", {"finish_reason": "length"})
+            return GenResult("", {"finish_reason": "length", "prompt_tokens": len(prompt)})
         text = self.reply(prompt)[: params.get("max_new_tokens", 1000)]
         return GenResult(text, {"completion_tokens": len(text)})
 

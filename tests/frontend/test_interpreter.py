@@ -10,7 +10,7 @@ from fake_backend import FakeBackend
 import weft
 from weft.frontend.ir import Gen, RoleBegin, RoleEnd, Select, Text, flatten
 from weft.frontend.scoring import choose
-from weft.frontend.state import ProgramError, _seam
+from weft.frontend.state import ProgramError, _Tail
 
 
 def test_ir_nodes_print_as_the_program():
@@ -137,11 +137,11 @@ def test_copy_is_an_independent_continuation():
 
 
 def test_seam_finds_where_the_choice_tokens_start():
-    assert _seam([1, 2, 3], [1, 2, 3, 4, 5], 0) == 3
+    assert _Tail(0, [1, 2, 3]).seam([1, 2, 3, 4, 5]) == 3
     # the choice's first token swallowed the prefix's last one (" yes" after "A: ")
-    assert _seam([1, 2, 3], [1, 2, 9, 5], 0) == 2
-    assert _seam([1, 2, 3, 4], [3, 4, 7], 2) == 4
-    assert _seam([1, 2, 3, 4], [8, 7], 2) is None  # differs before the window: read all
+    assert _Tail(0, [1, 2, 3]).seam([1, 2, 9, 5]) == 2
+    assert _Tail(2, [3, 4]).seam([3, 4, 7]) == 4
+    assert _Tail(2, [3, 4]).seam([8, 7]) is None  # differs at the window's start: read all
 
 
 def test_choose_each_method_exactly():
@@ -165,9 +165,11 @@ def test_select_scores_choice_tokens_after_the_prefix():
     meta = s.get_meta_info("x")
     assert meta["input_token_logprobs"] == [[-0.5, -2.0], [-0.25], [-2.0, -2.0]]
     assert meta["scores"] == [-1.25, -0.25, -2.0]
-    # the prefix is scored (and cached) first; each choice re-reads the last 8 prefix tokens
-    assert be.calls[0] == ("score", "pick: ", {"start": 0})
-    assert sorted(c[1:] for c in be.calls[1:]) == [
+    # the prefix is cached unscored first, then its last 8 tokens are read; each choice
+    # re-reads those 8 prefix tokens
+    assert be.calls[0] == ("generate", "pick: ", {"max_new_tokens": 0})
+    assert be.calls[1] == ("score", "pick: ", {"start": 0})
+    assert sorted(c[1:] for c in be.calls[2:]) == [
         ("pick: ab", {"start": 0}),
         ("pick: bb", {"start": 0}),
         ("pick: c", {"start": 0}),
@@ -182,7 +184,10 @@ def test_select_window_starts_near_the_end_of_a_long_prefix():
         s += "0123456789abc" + weft.select("x", ["y", "n"], choices_method="greedy")
 
     prog.run(backend=be)
+    # the prefix is not scored from 0: a scored position cannot come from the radix cache
+    assert be.calls[0] == ("generate", "0123456789abc", {"max_new_tokens": 0})
     assert {c[2]["start"] for c in be.calls[1:]} == {13 - 8}
+    assert [c[1] for c in be.calls[1:] if c[0] == "score"].count("0123456789abc") == 1
 
 
 def test_unconditional_select_scores_choices_alone():
