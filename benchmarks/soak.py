@@ -479,7 +479,8 @@ async def _idle_info(
 
 
 async def soak(args: Any, url: str, server_pid: int | None) -> int:
-    headers = {"Authorization": f"Bearer {args.api_key.split(',')[0]}"} if args.api_key else {}
+    admin_key = args.admin_api_key or (args.api_key.split(",")[0] if args.api_key else None)
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -648,6 +649,11 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--api-key", default=None, help="KEY[,KEY...]: the tenants' keys, in turn")
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the server's --admin-api-key (needed for /get_server_info when it has tenants)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--progress-every-s", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=120.0, help="per request, in seconds")

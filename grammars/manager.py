@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, set_bits_rows
-from weft.grammars.spec import GrammarSpec
+from weft.grammars.spec import GrammarSpec, parse_spec
 from weft.grammars.vocab import TokenVocab
 
 logger = logging.getLogger(__name__)
@@ -220,6 +220,14 @@ class GrammarManager:
 
     def submit(self, spec: GrammarSpec) -> Future[Compiled]:
         return self._chains.submit(self.compile, spec)
+
+    def submit_field(
+        self, field: str, text: str, max_chars: int, validated: bool = False
+    ) -> Future[Compiled]:
+        """parse_spec (InvalidSpec comes from the future) and compile, both on a worker."""
+        return self._chains.submit(
+            lambda: self.compile(parse_spec(field, text, max_chars, validated))
+        )
 
     def compile(self, spec: GrammarSpec) -> Compiled:
         """Through the chain, blocking (the workers run this)."""

@@ -20,15 +20,21 @@ Structural tag (JSON), SGLang's format plus three optional weft keys:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 MAX_SPEC_CHARS = 256 * 1024  # the text of one spec (EngineConfig.max_grammar_chars's default)
 MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects/arrays in a schema document
 MAX_GROUP_DEPTH = 64  # nesting of parentheses in a regex or an EBNF grammar
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices", "structural_tag")
+INLINE_SPEC_CHARS = 16 * 1024  # longer specs are checked off the event loop (`parse_off_loop`)
+
+T = TypeVar("T")
 
 
 class InvalidSpec(ValueError):
@@ -70,26 +76,85 @@ def choices_spec(choices: list[str]) -> GrammarSpec:
     return GrammarSpec("choices", json.dumps(list(choices)))
 
 
-def parse_spec(field: str, text: str, max_chars: int = MAX_SPEC_CHARS) -> GrammarSpec:
-    """A SamplingParams constraint field -> a checked spec (InvalidSpec names the field)."""
+def parse_spec(
+    field: str, text: str, max_chars: int = MAX_SPEC_CHARS, validated: bool = False
+) -> GrammarSpec:
+    """A SamplingParams constraint field -> a checked spec (InvalidSpec names the field).
+
+    validated: the spec passed parse_spec before (the scheduler's requests were checked by the
+    HTTP process or Engine): the JSON schema meta-validation, the costly check, is skipped.
+    """
     if not isinstance(text, str):
         raise InvalidSpec(f"{field} must be a string, got {type(text).__name__}")
     if len(text) > max_chars:
         raise InvalidSpec(f"{field} is too large: {len(text)} characters (at most {max_chars})")
-    return _parse_spec(field, text)
+    checked = _checked_off_loop.get()
+    if checked is not None and len(text) > INLINE_SPEC_CHARS:
+        result = checked.get((field, text))
+        if result is None:
+            raise _CheckOffLoop(field, text)
+        if isinstance(result, InvalidSpec):
+            raise InvalidSpec(str(result))
+        return result
+    return _parse_spec(field, text, validated)
+
+
+class _CheckOffLoop(Exception):
+    """A large spec met inside `parse_off_loop`: checked on a worker thread, then parse reruns."""
+
+    def __init__(self, field: str, text: str) -> None:
+        super().__init__(f"{field} ({len(text)} characters) is checked off the event loop")
+        self.field = field
+        self.text = text
+
+
+# Inside `parse_off_loop` (per asyncio task): the large specs checked on a worker thread so far.
+_checked_off_loop: ContextVar[dict[tuple[str, str], GrammarSpec | InvalidSpec] | None]
+_checked_off_loop = ContextVar("weft_checked_off_loop", default=None)
+
+
+async def parse_off_loop(parse: Callable[[], T]) -> T:
+    """Run `parse` (sync code that calls parse_spec, e.g. a request's validation) on the event
+    loop, except that each spec longer than INLINE_SPEC_CHARS is checked on a worker thread:
+    `parse` stops at it, and runs again once it is checked.
+
+    NOTE: meta-validating a large JSON schema takes up to a second (thousands of patterns), and
+    the loop serves every other request meanwhile. `parse` must do nothing that cannot be done
+    twice before its last parse_spec call.
+    """
+    checked: dict[tuple[str, str], GrammarSpec | InvalidSpec] = {}
+    token = _checked_off_loop.set(checked)
+    try:
+        while True:
+            try:
+                return parse()
+            except _CheckOffLoop as pending:
+                key = (pending.field, pending.text)
+                checked[key] = await asyncio.to_thread(_parse_or_error, *key)
+    finally:
+        _checked_off_loop.reset(token)
+
+
+def _parse_or_error(field: str, text: str) -> GrammarSpec | InvalidSpec:
+    try:
+        return _parse_spec(field, text)
+    except InvalidSpec as exc:
+        return exc
 
 
 # NOTE: meta-validating a JSON schema takes milliseconds, and a request's spec is parsed two or
 # three times (API, SamplingParams.validate, the scheduler) while clients repeat the same few
 # schemas: cache the results (failures raise and are not cached).
 @functools.lru_cache(maxsize=256)
-def _parse_spec(field: str, text: str) -> GrammarSpec:
+def _parse_spec(field: str, text: str, validated: bool = False) -> GrammarSpec:
     if not text.strip():
         raise InvalidSpec(f"{field} is empty")
     if field == "json_schema":
-        return GrammarSpec("json_schema", _canonical_json(field, _parse_schema(field, text)))
+        schema = _parse_schema(field, text, validated)
+        return GrammarSpec("json_schema", _canonical_json(field, schema))
     if field == "structural_tag":
-        return GrammarSpec("structural_tag", _canonical_json(field, parse_structural_tag(text)))
+        tag = parse_structural_tag(text, validated)
+        return GrammarSpec("structural_tag", _canonical_json(field, tag))
     if field in ("regex", "ebnf"):
         depth = group_depth(text, quotes="" if field == "regex" else "\"'")
         if depth > MAX_GROUP_DEPTH:
@@ -149,7 +214,7 @@ def _skip_quoted(text: str, i: int, quote: str) -> int:
     return i + 1
 
 
-def _parse_schema(field: str, text: str) -> Any:
+def _parse_schema(field: str, text: str, validated: bool = False) -> Any:
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -163,7 +228,8 @@ def _parse_schema(field: str, text: str) -> Any:
         raise InvalidSpec(
             f"{field} is nested too deeply: depth {depth} (at most {MAX_SCHEMA_DEPTH})"
         )
-    _check_schema(field, schema)
+    if not validated:
+        _check_schema(field, schema)
     return schema
 
 
@@ -183,8 +249,9 @@ def _check_schema(field: str, schema: Any) -> None:
         ) from None
 
 
-def parse_structural_tag(text: str) -> dict[str, Any]:
-    """Check and normalize a structural tag (module docstring) -> a dict with every key set."""
+def parse_structural_tag(text: str, validated: bool = False) -> dict[str, Any]:
+    """Check and normalize a structural tag (module docstring) -> a dict with every key set
+    (validated: its schemas are not meta-validated again, see parse_spec)."""
     try:
         tag = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -211,7 +278,8 @@ def parse_structural_tag(text: str) -> dict[str, Any]:
             raise InvalidSpec(f"{where}.schema must be a JSON schema object")
         if _depth(schema) > MAX_SCHEMA_DEPTH:
             raise InvalidSpec(f"{where}.schema is nested too deeply (at most {MAX_SCHEMA_DEPTH})")
-        _check_schema(f"{where}.schema", schema)
+        if not validated:
+            _check_schema(f"{where}.schema", schema)
         clean.append({"begin": item["begin"], "schema": schema, "end": item["end"]})
     free_text = _flag(tag, "free_text", True)
     triggers = tag.get("triggers", [])

@@ -488,7 +488,9 @@ class Engine:
             raise _failure(pending.error)
         for r in pending.reqs:
             if r.finish is not None and r.finish.status is not None:
-                raise ValueError(r.finish.message)  # the request's own fault (a bad grammar)
+                # a 4xx: the request's own fault (a bad grammar); a 5xx: a grammar backend failed
+                error = ValueError if r.finish.status < 500 else RuntimeError
+                raise error(r.finish.message)
         return [
             request_output(r, self.tokenizer, r.group_rid or r.rid)
             for r in sorted(pending.reqs, key=lambda r: r.index)

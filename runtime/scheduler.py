@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import math
 import time
 
@@ -20,7 +21,6 @@ from transformers import PreTrainedTokenizerBase
 
 from weft.grammars.base import allocate_bitmask
 from weft.grammars.manager import GrammarManager, RequestGrammar
-from weft.grammars.spec import InvalidSpec, parse_spec
 from weft.grammars.vocab import TokenVocab
 from weft.runtime.batch_builder import RowPlan, build_batch
 from weft.runtime.config import EngineConfig
@@ -30,6 +30,8 @@ from weft.runtime.memory import MemoryManager
 from weft.runtime.model_runner import ModelRunner
 from weft.runtime.output_processor import OutputProcessor
 from weft.runtime.sampler import Sampled, read_back, sample_on_device
+
+logger = logging.getLogger(__name__)
 
 # Share of a running request's remaining max_new_tokens reserved when admitting new requests;
 # decays while decoding goes well, jumps back after a retraction (as in SGLang).
@@ -116,10 +118,13 @@ class Scheduler:
         constraint = req.params.constraint
         if constraint is not None:
             try:
-                grammar_job = self.grammars.submit(
-                    parse_spec(*constraint, self.config.max_grammar_chars)
+                # NOTE: the JSON schema meta-validation is skipped (SamplingParams.validate ran it
+                # in the HTTP process or Engine): up to a second of Python, which even on a
+                # worker thread would stall the loop (each torch op waits for the GIL)
+                grammar_job = self.grammars.submit_field(
+                    *constraint, self.config.max_grammar_chars, validated=True
                 )
-            except (InvalidSpec, ValueError) as exc:
+            except ValueError as exc:  # no tokenizer to build the grammars' vocabulary from
                 self._enqueue(req, None)
                 self._fail(req, str(exc))
                 return [req]
@@ -302,7 +307,9 @@ class Scheduler:
         logits = self.runner.logits(hidden)
         reqs = [p.req for p in sampling]
         # NOTE: filled while the device computes the forward and the logits (launched, not awaited)
-        bitmask = self._fill_bitmask(reqs)
+        logits, reqs, bitmask = self._fill_bitmask(logits, reqs)
+        if not reqs:
+            return  # every row's grammar backend failed
         ids, raw_logprobs = sample_on_device(logits, reqs, self.end_ids, bitmask)
         step = self.num_steps
         for i, req in enumerate(reqs):
@@ -340,6 +347,10 @@ class Scheduler:
                 # the model already (its KV is being written): jump-forward must keep it
                 fed = req.kv_len > len(req.input_ids) + len(req.output_ids)
                 self._append_constrained(req, token, logprob, top, fed)
+                if fed and req.finished and req.kv_len > len(req.input_ids) + len(req.output_ids):
+                    # NOTE: ended without its token (rejected, or the backend failed), which has
+                    # KV already: keep it, so that release() caches as many tokens as slots
+                    req.output_ids.append(token)
             if req.finished:
                 self._end(req, None)
             elif not req.hidden:
@@ -361,11 +372,14 @@ class Scheduler:
         done, self._resolved = self._resolved, []
         return done
 
-    def _fill_bitmask(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]] | None:
-        """(bitmask rows [len(reqs), W] on the logits' device, the constrained rows) or None."""
+    def _fill_bitmask(
+        self, logits: torch.Tensor, reqs: list[Req]
+    ) -> tuple[torch.Tensor, list[Req], tuple[torch.Tensor, list[int]] | None]:
+        """(logits, reqs, (bitmask rows [len(reqs), W] on the logits' device, the constrained
+        rows) or None). A request whose grammar backend raises is ended, and its row dropped."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
-            return None
+            return logits, reqs, None
         vocab_size = self.runner.model_config.vocab_size
         if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
             size = max(len(reqs), self.config.max_running_requests)
@@ -374,9 +388,44 @@ class Scheduler:
             )
         bitmask = self._bitmask[: len(reqs)]
         start = time.perf_counter()
-        self.grammars.fill([reqs[i].grammar for i in rows], bitmask, rows)
+        try:
+            self.grammars.fill([reqs[i].grammar for i in rows], bitmask, rows)
+            batch_failed = False
+        except Exception:  # NOTE: a backend's bug: the rows that raise are found one by one below
+            batch_failed = True
+        if batch_failed:
+            failed = self._fill_rows_apart(reqs, rows, bitmask)
+            if failed:
+                keep = [i for i in range(len(reqs)) if i not in failed]
+                logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+                bitmask = bitmask[keep]
+                reqs = [reqs[i] for i in keep]
+                rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+                if not rows:
+                    return logits, reqs, None
         self.grammar_mask_s.observe(time.perf_counter() - start)
-        return bitmask.to(self.runner.device, non_blocking=True), rows
+        return logits, reqs, (bitmask.to(self.runner.device, non_blocking=True), rows)
+
+    def _fill_rows_apart(self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor) -> set[int]:
+        """The batched fill raised: fill row by row to find the culprits, and end them. Returns
+        their rows (the others are filled)."""
+        failed: set[int] = set()
+        for i in rows:
+            try:
+                self.grammars.fill([reqs[i].grammar], bitmask, [i])
+            except Exception as exc:
+                self._grammar_failed(reqs[i], exc)
+                self._end(reqs[i], None)
+                failed.add(i)
+        return failed
+
+    def _grammar_failed(self, req: Req, exc: Exception) -> None:
+        """A grammar backend raised on this request (a bug in the backend, not the request's
+        fault): only this request ends, with a server error; the caller frees its KV."""
+        name = req.grammar.backend_name
+        logger.error("grammar backend %s failed on request %s", name, req.rid, exc_info=exc)
+        message = f"the grammar backend {name} failed: {type(exc).__name__}: {exc}"
+        self.output.finish(req, FinishReason("abort", message=message, status=500))
 
     def _append_constrained(
         self,
@@ -387,14 +436,20 @@ class Scheduler:
         fed: bool,
     ) -> None:
         grammar: RequestGrammar = req.grammar
-        if token < 0 or not grammar.accept(token):
+        jump = not self.config.disable_jump_forward and req.logprob is None
+        try:
+            accepted = token >= 0 and grammar.accept(token)
+            tokens = [token]
+            if accepted and jump and not grammar.ended:
+                tokens = grammar.jump_forward_from(token, keep_token=fed)
+        except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
+            self._grammar_failed(req, exc)
+            return
+        if not accepted:
             self.output.finish(
                 req, FinishReason("abort", message=f"the grammar rejected token {token}")
             )
             return
-        tokens = [token]
-        if not self.config.disable_jump_forward and req.logprob is None and not grammar.ended:
-            tokens = grammar.jump_forward_from(token, keep_token=fed)
         for i, tid in enumerate(tokens):
             if req.finished:
                 break

@@ -29,6 +29,13 @@ class ServerConfig(EngineConfig):
             "prefix-cache entries (--api-key's tenant is 'default')"
         ),
     )
+    admin_api_key: str | None = field(
+        default=None,
+        metadata=_help(
+            "with --api-keys-file, the only key that may call /flush_cache, /get_server_info and "
+            "abort other tenants' requests; accepted on every route (its tenant is 'admin')"
+        ),
+    )
     max_queued_requests: int | None = field(
         default=None,
         metadata=_help(
@@ -76,6 +83,8 @@ class ServerConfig(EngineConfig):
             raise ValueError("api_key must not be empty (omit it to turn authentication off)")
         if self.api_keys_file == "":
             raise ValueError("api_keys_file must not be empty (omit it to turn tenants off)")
+        if self.admin_api_key == "":
+            raise ValueError("admin_api_key must not be empty (omit it to have no admin key)")
         for name in ("max_queued_requests", "max_request_body_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -98,7 +107,7 @@ class ServerConfig(EngineConfig):
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         values = dataclasses.asdict(self)
         if redact:
-            for name in ("api_key", "api_keys_file"):
+            for name in ("api_key", "api_keys_file", "admin_api_key"):
                 if values[name] is not None:
                     values[name] = "<set>"
         return values

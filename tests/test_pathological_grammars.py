@@ -9,6 +9,7 @@ alternation in a tenth of the time). Bodies are built as JSON text: json.dumps w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -18,7 +19,14 @@ import pytest
 import requests
 
 from weft.grammars.manager import MAX_FORCED_REPEATS, forced_repeats
-from weft.grammars.spec import GrammarSpec
+from weft.grammars.spec import (
+    INLINE_SPEC_CHARS,
+    MAX_SPEC_CHARS,
+    GrammarSpec,
+    InvalidSpec,
+    parse_off_loop,
+    parse_spec,
+)
 
 from server_utils import ServerProcess
 
@@ -166,3 +174,78 @@ def test_forced_repeats_multiply_along_nesting_only():
     assert repeats("ebnf", 'root ::= r{40}\nr ::= "a"{40}') == 1600  # through rules: all
     schema = {"type": "array", "minItems": 2000, "items": {"const": "x"}}
     assert repeats("json_schema", json.dumps(schema)) == 2000
+
+
+def _patterned_schema(count: int, salt: str) -> str:
+    """`count` string properties with a pattern each: meta-validation compiles every pattern
+    (~0.35 ms each here), so 3000 take ~1 s; distinct per salt (nothing is cached). Under
+    allOf, which xgrammar refuses at once: its compile would run on after the test."""
+    props = {
+        f"{salt}{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}-{i}(x|y)*$"}
+        for i in range(count)
+    }
+    schema = {"allOf": [{"type": "object", "properties": props}]}
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def test_a_large_schema_is_validated_off_the_event_loop(server):
+    """Neither the HTTP process nor the scheduler validates it on its loop: /health and plain
+    requests sent one after another while it is in flight are all answered at once."""
+    schema = _patterned_schema(3000, "p")
+    assert INLINE_SPEC_CHARS < len(schema) <= MAX_SPEC_CHARS
+    start = time.perf_counter()
+    parse_spec("json_schema", _patterned_schema(3000, "q"))  # as slow, and not cached
+    validate_s = time.perf_counter() - start
+    assert validate_s > 0.3, "the schema is too fast to validate to show a stall: enlarge it"
+    limit_s = validate_s / 2  # a request waited out a validation on the loop before the fix
+    body = json.dumps(
+        {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "json_schema": schema}}
+    )
+    waits: dict[str, list[float]] = {"/health": [], "/generate": []}
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(
+            requests.post,
+            server.url + "/generate",
+            data=body.encode(),
+            headers={"content-type": "application/json"},
+            timeout=120,
+        )
+        time.sleep(validate_s / 10)  # the server is validating now
+        while not big.done():
+            for path, waited in waits.items():
+                start = time.perf_counter()
+                r = server.get(path) if path == "/health" else server.post(path, PLAIN)
+                waited.append(time.perf_counter() - start)
+                assert r.status_code == 200, r.text
+        r = big.result()
+    assert sum(len(w) for w in waits.values()) >= 4  # probes ran all along
+    assert max(max(w) for w in waits.values()) < limit_s, (waits, validate_s)
+    # valid: refused by the backend (allOf), not as an invalid schema
+    assert "cannot compile the json_schema: xgrammar: " in _error(r, "sampling_params.json_schema")
+
+
+def test_a_large_invalid_schema_checked_off_the_loop_is_a_400(server):
+    schema = json.loads(_patterned_schema(400, "bad"))
+    schema["allOf"][0]["properties"]["bad7"]["pattern"] = "^(unclosed$"
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "json_schema": schema}}
+    assert len(json.dumps(body)) > INLINE_SPEC_CHARS
+    message = _error(server.post("/generate", body), "sampling_params.json_schema")
+    assert "not a valid JSON schema" in message and "bad7" in message, message
+    r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "json_schema": schema})
+    assert "not a valid JSON schema" in _error(r, "json_schema")
+
+
+def test_parse_off_loop_gives_what_parse_spec_gives():
+    large = _patterned_schema(300, "same")
+    wrong = large.replace('"string"', '"strin"', 1)
+    assert len(wrong) > INLINE_SPEC_CHARS
+
+    def both() -> tuple[GrammarSpec, GrammarSpec]:
+        return parse_spec("regex", "[a-z]+"), parse_spec("json_schema", large)
+
+    assert asyncio.run(parse_off_loop(both)) == both()
+    with pytest.raises(InvalidSpec) as inline:
+        parse_spec("json_schema", wrong)
+    with pytest.raises(InvalidSpec) as off_loop:
+        asyncio.run(parse_off_loop(lambda: parse_spec("json_schema", wrong)))
+    assert str(off_loop.value) == str(inline.value)

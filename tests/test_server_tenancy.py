@@ -1,6 +1,6 @@
 """API-key tenants (--api-keys-file): who may call, and the proof that no tenant ever gets a
 prefix-cache hit on another tenant's KV while a tenant does hit its own (cache_salt splits a
-tenant further)."""
+tenant further); the routes that reach every tenant take the admin key (--admin-api-key)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from server_utils import ServerProcess
 
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 SINGLE_KEY = "key-single"  # --api-key: tenant "default"
+ADMIN_KEY = "key-admin"  # --admin-api-key: tenant "admin"
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -29,11 +30,11 @@ def bearer(key: str) -> dict[str, str]:
 
 
 class KeyedServer(ServerProcess):
-    """GETs carry a key (the KV audit's /get_server_info among them); POSTs only the headers a
-    test gives."""
+    """GETs carry the admin key (the KV audit's /get_server_info among them); POSTs only the
+    headers a test gives."""
 
     def get(self, path: str, **kwargs: Any) -> requests.Response:
-        kwargs.setdefault("headers", bearer(SINGLE_KEY))
+        kwargs.setdefault("headers", bearer(ADMIN_KEY))
         return super().get(path, **kwargs)
 
 
@@ -54,6 +55,8 @@ def server(stories_dir, tmp_path_factory):
         str(keys_file),
         "--api-key",
         SINGLE_KEY,
+        "--admin-api-key",
+        ADMIN_KEY,
     )
     yield srv
     srv.assert_kv_intact()
@@ -70,7 +73,7 @@ def test_every_key_is_accepted_and_no_other(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert generate(server, "key-gamma", body).status_code == 401
     assert generate(server, "key-alph", body).status_code == 401  # a prefix is not the key
-    for key in [*KEYS, SINGLE_KEY]:
+    for key in [*KEYS, SINGLE_KEY, ADMIN_KEY]:
         r = generate(server, key, body)
         assert r.status_code == 200, (key, r.text)
     assert requests.get(server.url + "/health", timeout=10).status_code == 200  # no key needed
@@ -81,12 +84,36 @@ def test_every_key_is_accepted_and_no_other(server):
 
 
 def test_server_info_shows_no_key(server):
-    r = server.get("/get_server_info", headers=bearer("key-alpha"))
+    r = server.get("/get_server_info")
     assert r.status_code == 200
     info = r.json()
-    assert info["api_key"] == "<set>" and info["api_keys_file"] == "<set>"
-    for key in [*KEYS, SINGLE_KEY]:
+    assert info["api_key"] == info["api_keys_file"] == info["admin_api_key"] == "<set>"
+    for key in [*KEYS, SINGLE_KEY, ADMIN_KEY]:
         assert key not in r.text
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("get", "/get_server_info"),
+        ("get", "/server_info"),
+        ("get", "/flush_cache"),
+        ("post", "/flush_cache"),
+    ],
+)
+def test_routes_reaching_every_tenant_take_the_admin_key(server, method, path):
+    for key in ["key-alpha", SINGLE_KEY]:
+        r = requests.request(method, server.url + path, headers=bearer(key), timeout=30)
+        assert r.status_code == 403, (key, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "admin_key_required"
+        assert "reaches every tenant" in error["message"] and "--admin-api-key" in error["message"]
+    assert requests.request(method, server.url + path, timeout=30).status_code == 401
+    r = requests.request(method, server.url + path, headers=bearer(ADMIN_KEY), timeout=30)
+    assert r.status_code == 200, r.text
+    paths = server.get("/openapi.json").json()["paths"]
+    assert "403" in paths[path][method]["responses"] and "401" in paths[path][method]["responses"]
+    assert "403" not in paths["/generate"]["post"]["responses"]  # a tenant's route
 
 
 def _prompt(first: int) -> list[int]:
@@ -109,9 +136,11 @@ def test_tenants_never_hit_each_others_prefix_cache(server):
     assert _cached(server, "key-alpha", ids) == 0
     assert _cached(server, "key-beta", ids) == 0  # alpha's KV is not beta's
     assert _cached(server, SINGLE_KEY, ids) == 0  # nor the default tenant's
+    assert _cached(server, ADMIN_KEY, ids) == 0  # nor the admin's
     assert _cached(server, "key-alpha", ids) == full  # each tenant hits its own
     assert _cached(server, "key-beta", ids) == full
     assert _cached(server, SINGLE_KEY, ids) == full
+    assert _cached(server, ADMIN_KEY, ids) == full
 
 
 def test_tenants_in_the_openai_api(server):
@@ -139,16 +168,17 @@ def test_cache_salt_splits_a_tenant(server):
     assert _cached(server, "key-beta", ids, salt="s1") == full
 
 
-def test_a_tenant_aborts_its_own_requests_only(server):
-    events: list = []
+def _alpha_stream(server: ServerProcess, rid: str) -> tuple[threading.Thread, list[bytes]]:
+    """A long stream of tenant alpha's (~10 s or more), started: its events as they come."""
+    events: list[bytes] = []
     first = threading.Event()
 
-    def alpha_stream() -> None:
+    def run() -> None:
         body = {
             "input_ids": [1, 5, 9],
             "stream": True,
-            "rid": "alpha-run",
-            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},  # ~10 s or more
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
         }
         with requests.post(
             server.url + "/generate",
@@ -162,18 +192,27 @@ def test_a_tenant_aborts_its_own_requests_only(server):
                     events.append(line[6:])
                     first.set()
 
-    thread = threading.Thread(target=alpha_stream)
+    thread = threading.Thread(target=run)
     thread.start()
     assert first.wait(30)
+    return thread, events
+
+
+def test_a_tenant_aborts_its_own_requests_only_and_the_admin_anyones(server):
+    streams = [_alpha_stream(server, rid) for rid in ("alpha-run", "alpha-run-2")]
     r = server.post("/abort_request", {"rid": "alpha-run"}, headers=bearer("key-beta"))
     assert r.status_code == 404  # beta does not see alpha's request
     assert server.post("/abort_request", {"abort_all": True}, headers=bearer("key-beta")).ok
-    assert server.server_info()["num_pending"] == 1 and thread.is_alive()
+    assert server.server_info()["num_pending"] == 2
+    assert all(thread.is_alive() for thread, _ in streams)
     r = server.post("/abort_request", {"rid": "alpha-run"}, headers=bearer("key-alpha"))
     assert r.status_code == 200
-    thread.join(30)
-    assert events[-1] == b"[DONE]"
-    assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
+    r = server.post("/abort_request", {"abort_all": True}, headers=bearer(ADMIN_KEY))
+    assert r.status_code == 200  # every tenant's: alpha-run-2 too
+    for thread, events in streams:
+        thread.join(30)
+        assert events[-1] == b"[DONE]"
+        assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def test_cache_namespaces_are_distinct():
@@ -221,6 +260,21 @@ def test_the_single_key_must_not_name_another_tenant(tmp_path):
     assert load_api_keys(config) == {"k1": "alpha", "k2": "default"}
     with pytest.raises(ValueError, match="ambiguous"):
         load_api_keys(ServerConfig(api_keys_file=str(path), api_key="k1"))
+
+
+def test_the_admin_key_is_a_key_of_its_own(tmp_path):
+    from weft.runtime.server.middleware import load_api_keys
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"k1": "alpha"}))
+    config = ServerConfig(api_keys_file=str(path), api_key="k2", admin_api_key="k3")
+    assert load_api_keys(config) == {"k1": "alpha", "k2": "default", "k3": "admin"}
+    for admin in ("k1", "k2"):
+        with pytest.raises(ValueError, match="admin key must be a key of its own"):
+            load_api_keys(ServerConfig(api_keys_file=str(path), api_key="k2", admin_api_key=admin))
+    path.write_text(json.dumps({"k1": "admin"}))
+    with pytest.raises(ValueError, match="names a tenant 'admin'"):
+        load_api_keys(ServerConfig(api_keys_file=str(path), admin_api_key="k3"))
 
 
 def test_a_missing_keys_file_stops_the_start(tmp_path):

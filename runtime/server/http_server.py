@@ -22,6 +22,7 @@ from weft.runtime.server.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     load_api_keys,
+    require_admin,
 )
 from weft.runtime.server.native_api import json_response
 from weft.runtime.server.tokenizer_manager import TokenizerManager
@@ -99,7 +100,8 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
 
     @app.get("/get_server_info")
     @app.get("/server_info")
-    async def get_server_info() -> Response:
+    async def get_server_info(request: Request) -> Response:
+        require_admin(request, config, "the server info")
         scheduler = await tm.query(to_sched.GetServerInfo)
         return json_response(
             {
@@ -115,7 +117,8 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
         )
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
+    async def flush_cache(request: Request) -> Response:
+        require_admin(request, config, "/flush_cache")
         reply = await tm.query(to_sched.FlushCache)
         if not reply["flushed"]:
             raise ApiError("cache not flushed: requests are running; retry when idle", 400)
@@ -138,8 +141,12 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
     )
     keys = load_api_keys(config) if api_keys is None else api_keys
     if keys:
-        app.add_middleware(ApiKeyMiddleware, keys=keys)  # type: ignore[arg-type]
-    openapi.install(app, authenticated=bool(keys))
+        app.add_middleware(
+            ApiKeyMiddleware,  # type: ignore[arg-type]
+            keys=keys,
+            admin_key=config.admin_api_key,
+        )
+    openapi.install(app, authenticated=bool(keys), tenants=config.api_keys_file is not None)
     return app
 
 

@@ -5,6 +5,10 @@ a byte count, and a streamed body is counted as it arrives, never buffered here.
 A tenant is the name an API key maps to. The key middleware puts it in the request's scope
 (`TENANT_SCOPE_KEY`); the handlers pass it down to `TokenizerManager.build_request`, where it
 becomes the request's prefix-cache namespace: tenants never reuse each other's KV.
+
+With tenants (--api-keys-file), the routes that reach every tenant (/flush_cache, the server
+info, aborting another tenant's requests) take the admin key only (--admin-api-key, tenant
+"admin" on the other routes; `require_admin`). Without a keys file, any key may call them.
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ from weft.runtime.server.errors import ApiError
 from weft.runtime.server_config import ServerConfig
 
 TENANT_SCOPE_KEY = "weft.tenant"
+ADMIN_SCOPE_KEY = "weft.admin"  # True when the request carries the admin key
 DEFAULT_TENANT = "default"  # the tenant of --api-key
+ADMIN_TENANT = "admin"  # the tenant of --admin-api-key
 
 
 def load_api_keys(config: ServerConfig) -> dict[str, str]:
-    """key -> tenant, from --api-keys-file and --api-key; empty: authentication is off.
-    A file that cannot be used is a ValueError saying why (the server refuses to start)."""
+    """key -> tenant, from --api-keys-file, --api-key and --admin-api-key; empty:
+    authentication is off. Keys that cannot be used are a ValueError saying why (the server
+    refuses to start)."""
     keys = read_api_keys_file(Path(config.api_keys_file)) if config.api_keys_file else {}
     if config.api_key is not None:
         tenant = keys.setdefault(config.api_key, DEFAULT_TENANT)
@@ -38,6 +45,19 @@ def load_api_keys(config: ServerConfig) -> dict[str, str]:
                 f"--api-key is also in --api-keys-file, as tenant {tenant!r}: its tenant would "
                 f"be ambiguous ({DEFAULT_TENANT!r} or {tenant!r})"
             )
+    admin = config.admin_api_key
+    if admin is not None:
+        if admin in keys:
+            raise ValueError(
+                "--admin-api-key is also a tenant's key (--api-key or --api-keys-file): the "
+                "admin key must be a key of its own"
+            )
+        if ADMIN_TENANT in keys.values():
+            raise ValueError(
+                f"--api-keys-file names a tenant {ADMIN_TENANT!r}: with --admin-api-key that "
+                "name is the admin's (its prefix-cache namespace)"
+            )
+        keys[admin] = ADMIN_TENANT
     return keys
 
 
@@ -83,6 +103,25 @@ def tenant_of(request: Request) -> str | None:
     return tenant if isinstance(tenant, str) else None
 
 
+def is_admin(request: Request) -> bool:
+    """Whether the request carries --admin-api-key."""
+    return request.scope.get(ADMIN_SCOPE_KEY) is True
+
+
+def require_admin(request: Request, config: ServerConfig, what: str) -> None:
+    """With tenants (--api-keys-file), `what` reaches every tenant: the admin key only. A
+    tenant's key is a 403 (no key at all was a 401 already, in the key middleware)."""
+    if config.api_keys_file is None or is_admin(request):
+        return
+    missing = "" if config.admin_api_key is not None else "; this server has none"
+    raise ApiError(
+        f"{what} reaches every tenant: it takes the admin API key (--admin-api-key{missing}), "
+        "not a tenant's",
+        403,
+        code="admin_key_required",
+    )
+
+
 def cache_namespace(tenant: str | None, cache_salt: str | None) -> str:
     """The prefix-cache namespace of a request: "tenant:T", "salt:S", "tenant:T/salt:S" or "".
     NOTE: unambiguous only because a tenant holds no '/' (checked when the keys are read)."""
@@ -96,27 +135,30 @@ def cache_namespace(tenant: str | None, cache_salt: str | None) -> str:
 
 class ApiKeyMiddleware:
     """'Authorization: Bearer KEY' on every route but /health* and /metrics (probes and
-    scrapers carry no key), as SGLang does; the key's tenant goes into the scope."""
+    scrapers carry no key), as SGLang does; the key's tenant (and whether it is `admin_key`)
+    goes into the scope."""
 
-    def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str], admin_key: str | None = None) -> None:
         self.app = app
-        self.keys = [(f"Bearer {key}".encode(), tenant) for key, tenant in keys.items()]
+        self.keys = [
+            (f"Bearer {key}".encode(), tenant, key == admin_key) for key, tenant in keys.items()
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _open_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        tenant = None
-        for expected, name in self.keys:
+        tenant, admin = None, False
+        for expected, name, is_admin_key in self.keys:
             # NOTE: constant time, and no early exit: the time taken says nothing about the key
             if hmac.compare_digest(given, expected):
-                tenant = name
+                tenant, admin = name, is_admin_key
         if tenant is None:
             error = ApiError("invalid or missing API key", 401, code="invalid_api_key")
             await _error_response(error)(scope, receive, send)
             return
-        await self.app({**scope, TENANT_SCOPE_KEY: tenant}, receive, send)
+        await self.app({**scope, TENANT_SCOPE_KEY: tenant, ADMIN_SCOPE_KEY: admin}, receive, send)
 
 
 def _open_path(path: str) -> bool:

@@ -20,10 +20,11 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from weft.grammars.spec import parse_off_loop
 from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
-from weft.runtime.server.middleware import tenant_of
+from weft.runtime.server.middleware import is_admin, tenant_of
 from weft.runtime.server.sglang_params import parse_sampling_params
 from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
 
@@ -279,7 +280,7 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         tenant = tenant_of(request)
-        parsed = parse_generate(await request.body(), tm, tenant)
+        parsed = await parse_off_loop(partial(parse_generate, await request.body(), tm, tenant))
         states = tm.submit(parsed.reqs, stream=parsed.stream, tenant=tenant)
         if parsed.stream:
             return StreamingResponse(
@@ -304,13 +305,14 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
         except (msgspec.DecodeError, RecursionError) as exc:
             raise from_decode_error(exc) from None
         rid = body.get("rid")
-        tenant = tenant_of(request)  # with API keys, a tenant aborts its own requests only
+        # with API keys, a tenant aborts its own requests only; the admin, anyone's
+        tenant, anyone = tenant_of(request), is_admin(request)
         if body.get("abort_all"):
             for state_rid in list(tm.states):
-                tm.abort(state_rid, tenant)
+                tm.abort(state_rid, tenant, any_tenant=anyone)
             return json_response({"success": True})
         if not isinstance(rid, str) or not rid:
             raise bad_request("rid must be a non-empty string", "rid")
-        if not tm.abort(rid, tenant):
+        if not tm.abort(rid, tenant, any_tenant=anyone):
             raise ApiError(f"no running request has rid {rid!r}", 404, param="rid")
         return json_response({"success": True})

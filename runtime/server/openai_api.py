@@ -23,7 +23,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from weft.grammars.spec import JSON_OBJECT_SCHEMA, MAX_SPEC_CHARS
+from weft.grammars.spec import JSON_OBJECT_SCHEMA, MAX_SPEC_CHARS, parse_off_loop
 from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.sampling_params import SamplingParams
@@ -491,6 +491,7 @@ def _chat_job(
         cache_salt=req.cache_salt,
         tenant=tenant,
     )
+    # NOTE: submitted after every spec check: parse_off_loop may run this up to one twice
     states = tm.submit([gen], stream=bool(req.stream), api="openai.chat", tenant=tenant)
     param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
     return _Job(tm, model, "chat", states, top, tools=plan, constraint_param=param)
@@ -558,6 +559,7 @@ def _completion_job(
         param = _constraint_param(params)
     if req.rid is not None and len(gens) == 1:
         gens[0].rid = req.rid
+    # NOTE: submitted after every spec check: parse_off_loop may run this up to one twice
     return _Job(
         tm,
         model,
@@ -582,13 +584,13 @@ def register(app: FastAPI, tm: TokenizerManager, chat: ChatRenderer) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = _decode(await request.body(), ChatCompletionRequest)
-        job = _chat_job(req, tm, chat, tenant_of(request))
+        job = await parse_off_loop(partial(_chat_job, req, tm, chat, tenant_of(request)))
         return await _respond(job, bool(req.stream), req.stream_options, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = _decode(await request.body(), CompletionRequest)
-        job = _completion_job(req, tm, tenant_of(request))
+        job = await parse_off_loop(partial(_completion_job, req, tm, tenant_of(request)))
         return await _respond(job, bool(req.stream), req.stream_options, request)
 
     async def _respond(job: _Job, stream: bool, options: Any, request: Request) -> Response:

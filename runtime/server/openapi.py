@@ -9,7 +9,8 @@ still be a 400 (a prompt longer than the context, a grammar that does not compil
 operation that takes a body declares it.
 
 With an API key set the document is behind the key like the API it describes (only the probes
-and /metrics are open), and it declares the bearer scheme and the 401.
+and /metrics are open), and it declares the bearer scheme and the 401; with tenants
+(--api-keys-file), the routes that reach every tenant declare the 403 a tenant's key gets.
 """
 
 from __future__ import annotations
@@ -317,6 +318,7 @@ class Operation:
     responses: dict[str, dict[str, Any]]
     body_required: bool = True
     open: bool = False  # served without the API key (probes, scrapers)
+    admin: bool = False  # reaches every tenant: with tenants, the admin key only
 
 
 _GENERATE = _json_or_stream(
@@ -334,10 +336,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("get", "/get_model_info"): Operation(None, {"200": _json("the model", OBJECT)}),
     ("get", "/get_server_info"): Operation(
-        None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}
+        None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}, admin=True
     ),
     ("get", "/server_info"): Operation(
-        None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}
+        None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}, admin=True
     ),
     ("get", "/flush_cache"): Operation(
         None,
@@ -346,6 +348,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             "400": _error("requests are running"),
             "503": _UNAVAILABLE,
         },
+        admin=True,
     ),
     ("post", "/flush_cache"): Operation(
         None,
@@ -354,6 +357,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             "400": _error("requests are running"),
             "503": _UNAVAILABLE,
         },
+        admin=True,
     ),
     ("get", "/metrics"): Operation(
         None,
@@ -377,7 +381,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/abort_request"): Operation(
         "AbortRequest",
         {
-            "200": _json("aborted", {"type": "object", "properties": {"success": BOOL}}),
+            "200": _json(
+                "aborted (with tenants: a tenant's own requests; the admin key: anyone's)",
+                {"type": "object", "properties": {"success": BOOL}},
+            ),
             "400": _INVALID,
             "404": _error("no running request has this rid"),
             "413": _TOO_LARGE,
@@ -413,7 +420,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 
 
-def document(app: FastAPI, authenticated: bool) -> dict[str, Any]:
+def document(app: FastAPI, authenticated: bool, tenants: bool = False) -> dict[str, Any]:
     """FastAPI's document of the app's routes, with OPERATIONS' bodies and responses."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -435,15 +442,17 @@ def document(app: FastAPI, authenticated: bool) -> dict[str, Any]:
             if authenticated and not described.open:
                 op["security"] = [{"apiKey": []}]
                 op["responses"]["401"] = _error("invalid or missing API key")
+            if tenants and described.admin:
+                op["responses"]["403"] = _error("a tenant's key: this route takes the admin key")
     return doc
 
 
-def install(app: FastAPI, authenticated: bool) -> None:
+def install(app: FastAPI, authenticated: bool, tenants: bool = False) -> None:
     """Serve `document` at the app's openapi_url (built once, on the first request)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = document(app, authenticated)
+            app.openapi_schema = document(app, authenticated, tenants)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -389,11 +389,11 @@ class TokenizerManager:
             self._send(to_sched.Abort([state.rid]))
         state.listener.set()
 
-    def abort(self, rid: str, tenant: str | None = None) -> bool:
+    def abort(self, rid: str, tenant: str | None = None, any_tenant: bool = False) -> bool:
         """Stop a running request; its KV goes back to the pool (the scheduler frees it). A
-        tenant only finds its own requests."""
+        tenant only finds its own requests (unless any_tenant: the admin's abort)."""
         state = self.states.get(rid)
-        if state is None or state.tenant != tenant:
+        if state is None or (state.tenant != tenant and not any_tenant):
             return False
         self._send(to_sched.Abort([rid]))
         return True

@@ -1,0 +1,126 @@
+"""A grammar backend that raises on the scheduler's loop (a bug in its native code) ends only the
+request it raised for, with a server error naming the backend and the exception; the requests
+beside it finish normally and the KV pool stays intact.
+
+The fault is injected through the real grammar manager: the backend's `matcher()` is wrapped so
+that the victim's matcher instance gets one method that raises (after `after` good calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from weft.grammars.spec import parse_spec
+
+from conftest import make_engine
+
+VICTIM = "The end of [a-z]+( [a-z]+){3}"  # forced text: accept, jump-forward and rollback run
+HEALTHY = "[A-Z][a-z]+( [a-z]+){4}"
+PROMPT = "Once upon a time"
+PARAMS = {"temperature": 0, "max_new_tokens": 24}
+
+
+def _fault() -> UnicodeDecodeError:
+    return UnicodeDecodeError("utf-8", b"\xe4", 0, 1, "unexpected end of data")
+
+
+@pytest.fixture(scope="module")
+def plain(stories_dir):
+    return make_engine(stories_dir, max_total_tokens=4096, disable_overlap_schedule=True)
+
+
+@pytest.fixture(scope="module")
+def overlap(stories_dir):
+    """The overlap schedule forced on (the default on CUDA): a failing token was fed already."""
+    engine = make_engine(stories_dir, max_total_tokens=4096)
+    engine.scheduler.overlap = True
+    return engine
+
+
+def _break(engine, monkeypatch, regex: str, method: str, after: int) -> list[int]:
+    """Make `method` of the matcher of every request constrained by `regex` raise after `after`
+    calls; returns a one-item list counting the calls."""
+    compiled = engine.scheduler.grammars.compile(parse_spec("regex", regex))  # cached from now
+    backend = compiled.backend
+    make_matcher = backend.matcher
+    calls = [0]
+
+    def matcher(grammar):
+        m = make_matcher(grammar)
+        if grammar is compiled.grammar:
+            good = getattr(m, method)
+
+            def flaky(*args):
+                calls[0] += 1
+                if calls[0] > after:
+                    raise _fault()
+                return good(*args)
+
+            monkeypatch.setattr(m, method, flaky)
+        return m
+
+    monkeypatch.setattr(backend, "matcher", matcher)
+    return calls
+
+
+def _run_together(engine, specs: list[str | None]) -> list[dict]:
+    async def run():
+        jobs = [
+            engine.async_generate(PROMPT, {**PARAMS, **({"regex": s} if s else {})}) for s in specs
+        ]
+        return await asyncio.gather(*jobs)
+
+    return asyncio.run(run())
+
+
+def _assert_failed(out: dict, method: str) -> None:
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort", out
+    assert reason["status_code"] == 500
+    assert reason["message"].startswith("the grammar backend xgrammar failed: UnicodeDecodeError:")
+    assert out["meta_info"]["grammar_backend"] == "xgrammar", method
+
+
+def _assert_fine(engine, outs: list[dict], specs: list[str | None]) -> None:
+    want = engine.generate([PROMPT] * len(specs), [{**PARAMS, "regex": s} for s in specs])
+    for out, ref in zip(outs, want, strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+        assert out["output_ids"] == ref["output_ids"]  # as if the victim had never been there
+
+
+@pytest.mark.parametrize(("method", "after"), [("accept", 2), ("jump_forward", 1), ("rollback", 0)])
+def test_a_raising_matcher_ends_only_its_request(plain, monkeypatch, method, after):
+    calls = _break(plain, monkeypatch, VICTIM, method, after)
+    victim, healthy, free = _run_together(plain, [VICTIM, HEALTHY, None])
+    assert calls[0] == after + 1  # it raised once, and was never called again
+    _assert_failed(victim, method)
+    _assert_fine(plain, [healthy, free], [HEALTHY, None])
+    plain.check_integrity()
+    assert plain.memory_stats()["in_use"] == 0
+    with pytest.raises(RuntimeError, match="grammar backend xgrammar failed: UnicodeDecodeError"):
+        plain.generate(PROMPT, {**PARAMS, "regex": VICTIM})
+
+
+def test_a_fed_token_is_kept_when_its_accept_raises(overlap, monkeypatch):
+    """Under the overlap schedule the next step has fed the token already: its KV is cached."""
+    _break(overlap, monkeypatch, VICTIM, "accept", 2)
+    victim, healthy, free = _run_together(overlap, [VICTIM, HEALTHY, None])
+    _assert_failed(victim, "accept")
+    _assert_fine(overlap, [healthy, free], [HEALTHY, None])
+    overlap.check_integrity()
+
+
+def test_a_raising_batched_fill_finds_the_culprits(plain, monkeypatch):
+    """can_end runs inside the batched mask fill: the whole call raises, row-by-row fills find
+    the two failing rows, the third constrained row and the free one go on."""
+    other_victim = VICTIM.replace("{3}", "{4}")
+    calls = [_break(plain, monkeypatch, v, "can_end", 3) for v in (VICTIM, other_victim)]
+    outs = _run_together(plain, [VICTIM, HEALTHY, other_victim, None])
+    # 3 good calls, the batched call, its own row's; the batched call stops at the first
+    # raising row, so the other victim's row may not have been reached in it (4 calls)
+    assert sorted(c[0] for c in calls) in ([4, 5], [5, 5])
+    _assert_failed(outs[0], "can_end")
+    _assert_failed(outs[2], "can_end")
+    _assert_fine(plain, [outs[1], outs[3]], [HEALTHY, None])
