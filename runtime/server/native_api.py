@@ -57,7 +57,7 @@ class GenerateReqInput(msgspec.Struct):
     return_hidden_states: Any = None
 
 
-_UNSUPPORTED = (
+UNSUPPORTED_FIELDS = (
     "image_data",
     "video_data",
     "audio_data",
@@ -84,7 +84,7 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
         obj = msgspec.json.decode(body, type=GenerateReqInput)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise from_decode_error(exc) from None
-    for name in _UNSUPPORTED:
+    for name in UNSUPPORTED_FIELDS:
         value = getattr(obj, name)
         if value not in (None, False, [], {}):
             raise not_supported(name, name)

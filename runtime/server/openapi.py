@@ -30,7 +30,7 @@ from weft.runtime.sampling_params import (
     MAX_TOP_K,
     SamplingParams,
 )
-from weft.runtime.server.native_api import GenerateReqInput
+from weft.runtime.server.native_api import UNSUPPORTED_FIELDS, GenerateReqInput
 from weft.runtime.server.openai_api import MAX_TOP_LOGPROBS, RESPONSE_FORMATS
 from weft.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
@@ -194,17 +194,7 @@ def _generate_body(schema: dict[str, Any]) -> None:
     props["logprob_start_len"] = _one_or_list(_with_range("logprob_start_len", INT))
     props["top_logprobs_num"] = _one_or_list(_with_range("top_logprobs_num", INT))
     props["cache_salt"] = _nullable(TEXT)
-    for name in (
-        "image_data",
-        "video_data",
-        "audio_data",
-        "input_embeds",
-        "lora_path",
-        "session_params",
-        "custom_logit_processor",
-        "token_ids_logprob",
-        "return_hidden_states",
-    ):
+    for name in UNSUPPORTED_FIELDS:
         props[name] = _NOT_SUPPORTED_YET
     # exactly one of the two prompts (a 400 otherwise)
     schema["anyOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
@@ -327,6 +317,12 @@ _GENERATE = _json_or_stream(
 )
 _COMPLETION = _json_or_stream("the completion; SSE chunks with stream=true", _ref("Completion"))
 
+_FLUSH_CACHE = Operation(
+    None,
+    {"200": _text("flushed"), "400": _error("requests are running"), "503": _UNAVAILABLE},
+    admin=True,
+)
+
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/health"): Operation(None, {"200": _EMPTY_OK, "503": _UNAVAILABLE}, open=True),
     ("get", "/health_generate"): Operation(
@@ -341,24 +337,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/server_info"): Operation(
         None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}, admin=True
     ),
-    ("get", "/flush_cache"): Operation(
-        None,
-        {
-            "200": _text("flushed"),
-            "400": _error("requests are running"),
-            "503": _UNAVAILABLE,
-        },
-        admin=True,
-    ),
-    ("post", "/flush_cache"): Operation(
-        None,
-        {
-            "200": _text("flushed"),
-            "400": _error("requests are running"),
-            "503": _UNAVAILABLE,
-        },
-        admin=True,
-    ),
+    ("get", "/flush_cache"): _FLUSH_CACHE,
+    ("post", "/flush_cache"): _FLUSH_CACHE,
     ("get", "/metrics"): Operation(
         None,
         {
