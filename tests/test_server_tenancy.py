@@ -14,6 +14,7 @@ from typing import Any
 import openai
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from weft.runtime.server.middleware import cache_namespace, read_api_keys_file
 from weft.runtime.server_config import ServerConfig
@@ -23,6 +24,7 @@ from server_utils import ServerProcess
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 SINGLE_KEY = "key-single"  # --api-key: tenant "default"
 ADMIN_KEY = "key-admin"  # --admin-api-key: tenant "admin"
+MAX_BODY = 64 * 1024
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -57,6 +59,9 @@ def server(stories_dir, tmp_path_factory):
         SINGLE_KEY,
         "--admin-api-key",
         ADMIN_KEY,
+        "--enable-metrics",
+        "--max-request-body-bytes",
+        str(MAX_BODY),
     )
     yield srv
     srv.assert_kv_intact()
@@ -288,3 +293,27 @@ def test_a_missing_keys_file_stops_the_start(tmp_path):
     assert proc.returncode == 1
     assert "weft: cannot start: cannot read --api-keys-file" in proc.stderr
     assert str(missing) in proc.stderr
+
+
+def _errors(srv: ServerProcess) -> dict[str, float]:
+    text = srv.get("/metrics").text
+    return {
+        s.labels["kind"]: s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "weft:num_errors"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+
+
+def test_the_middlewares_refusals_are_counted(server):
+    """401 and 413 are answered before the app's handlers: the middlewares count them."""
+    before = _errors(server)
+    assert server.post("/generate", {"text": "hi"}).status_code == 401
+    big = {"text": "x" * (MAX_BODY + 1), "sampling_params": {"max_new_tokens": 1}}
+    assert generate(server, "key-alpha", big).status_code == 413
+    after = _errors(server)
+    assert after["bad_request"] - before["bad_request"] == 2
+    assert {k: after[k] - before[k] for k in after if k != "bad_request"} == {
+        k: 0.0 for k in after if k != "bad_request"
+    }

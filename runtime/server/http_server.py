@@ -138,6 +138,7 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
     app.add_middleware(
         BodySizeLimitMiddleware,  # type: ignore[arg-type]
         max_bytes=config.max_request_body_bytes,
+        on_error=count_error,
     )
     keys = load_api_keys(config) if api_keys is None else api_keys
     if keys:
@@ -145,6 +146,7 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
             ApiKeyMiddleware,  # type: ignore[arg-type]
             keys=keys,
             admin_key=config.admin_api_key,
+            on_error=count_error,
         )
     openapi.install(app, authenticated=bool(keys), tenants=config.api_keys_file is not None)
     return app

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +138,15 @@ class ApiKeyMiddleware:
     scrapers carry no key), as SGLang does; the key's tenant (and whether it is `admin_key`)
     goes into the scope."""
 
-    def __init__(self, app: ASGIApp, keys: Mapping[str, str], admin_key: str | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: Mapping[str, str],
+        admin_key: str | None = None,
+        on_error: Callable[[int], None] | None = None,
+    ) -> None:
         self.app = app
+        self.on_error = on_error
         self.keys = [
             (f"Bearer {key}".encode(), tenant, key == admin_key) for key, tenant in keys.items()
         ]
@@ -156,7 +163,7 @@ class ApiKeyMiddleware:
                 tenant, admin = name, is_admin_key
         if tenant is None:
             error = ApiError("invalid or missing API key", 401, code="invalid_api_key")
-            await _error_response(error)(scope, receive, send)
+            await _error_response(error, self.on_error)(scope, receive, send)
             return
         await self.app({**scope, TENANT_SCOPE_KEY: tenant, ADMIN_SCOPE_KEY: admin}, receive, send)
 
@@ -173,9 +180,12 @@ class BodySizeLimitMiddleware:
     """A 413 for a body over `max_bytes`: at once from Content-Length, or as soon as a chunked
     body passes the limit while the handler reads it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, on_error: Callable[[int], None] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -183,7 +193,7 @@ class BodySizeLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await _error_response(self._error())(scope, receive, send)
+            await _error_response(self._error(), self.on_error)(scope, receive, send)
             return
         received = 0
         started = False
@@ -209,7 +219,7 @@ class BodySizeLimitMiddleware:
             # were it otherwise, a second response would corrupt the first
             if started:
                 raise
-            await _error_response(self._error())(scope, receive, send)
+            await _error_response(self._error(), self.on_error)(scope, receive, send)
 
     def _error(self) -> ApiError:
         return ApiError(
@@ -220,5 +230,9 @@ class BodySizeLimitMiddleware:
         )
 
 
-def _error_response(error: ApiError) -> Response:
+def _error_response(error: ApiError, on_error: Callable[[int], None] | None) -> Response:
+    """The error as a response; `on_error` hears of it (these never reach the app's handlers,
+    which count the others)."""
+    if on_error is not None:
+        on_error(error.status)
     return Response(msgspec.json.encode(error.body()), error.status, media_type="application/json")
