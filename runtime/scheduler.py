@@ -345,9 +345,9 @@ class Scheduler:
             else:
                 # NOTE: the step launched just before this read-back may have fed the token to
                 # the model already (its KV is being written): jump-forward must keep it
-                fed = req.kv_len > len(req.input_ids) + len(req.output_ids)
+                fed = req.kv_len > req.seq_len  # (pending is cleared: seq_len counts no token)
                 self._append_constrained(req, token, logprob, top, fed)
-                if fed and req.finished and req.kv_len > len(req.input_ids) + len(req.output_ids):
+                if fed and req.finished and req.kv_len > req.seq_len:
                     # NOTE: ended without its token (rejected, or the backend failed), which has
                     # KV already: keep it, so that release() caches as many tokens as slots
                     req.output_ids.append(token)
@@ -390,10 +390,7 @@ class Scheduler:
         start = time.perf_counter()
         try:
             self.grammars.fill([reqs[i].grammar for i in rows], bitmask, rows)
-            batch_failed = False
-        except Exception:  # NOTE: a backend's bug: the rows that raise are found one by one below
-            batch_failed = True
-        if batch_failed:
+        except Exception:  # NOTE: a backend's bug: find the rows that raise, one by one
             failed = self._fill_rows_apart(reqs, rows, bitmask)
             if failed:
                 keep = [i for i in range(len(reqs)) if i not in failed]

@@ -491,7 +491,7 @@ def _chat_job(
         cache_salt=req.cache_salt,
         tenant=tenant,
     )
-    # NOTE: submitted after every spec check: parse_off_loop may run this up to one twice
+    # NOTE: submitted after every spec check: parse_off_loop may run this twice
     states = tm.submit([gen], stream=bool(req.stream), api="openai.chat", tenant=tenant)
     param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
     return _Job(tm, model, "chat", states, top, tools=plan, constraint_param=param)
@@ -559,7 +559,7 @@ def _completion_job(
         param = _constraint_param(params)
     if req.rid is not None and len(gens) == 1:
         gens[0].rid = req.rid
-    # NOTE: submitted after every spec check: parse_off_loop may run this up to one twice
+    # NOTE: submitted after every spec check: parse_off_loop may run this twice
     return _Job(
         tm,
         model,
