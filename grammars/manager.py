@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, set_bits_rows
-from weft.grammars.spec import GrammarSpec, parse_spec
+from weft.grammars.spec import GrammarSpec, parse_spec, skip_class
 from weft.grammars.vocab import TokenVocab
 
 logger = logging.getLogger(__name__)
@@ -373,9 +373,8 @@ def _regex_repeats(text: str) -> int:
             atom, i = 1, i + 1
         elif c == ")" and len(inside) > 1:
             atom, i = inside.pop(), i + 1
-        elif c == "[":  # a class is one atom; a `]` first in it is a literal
-            end = text.find("]", i + 2)
-            atom, i = 1, (len(text) if end < 0 else end + 1)
+        elif c == "[":  # a class is one atom
+            atom, i = 1, skip_class(text, i + 1)
         else:
             atom, i = 1, i + (2 if c == "\\" else 1)
         inside[-1] = max(inside[-1], atom)

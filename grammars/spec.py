@@ -178,7 +178,7 @@ def group_depth(text: str, quotes: str) -> int:
             i += 2
             continue
         if c == "[":
-            i = _skip_class(text, i + 1)
+            i = skip_class(text, i + 1)
             continue
         if c in quotes:
             i = _skip_quoted(text, i + 1, c)
@@ -196,7 +196,7 @@ def group_depth(text: str, quotes: str) -> int:
     return deepest
 
 
-def _skip_class(text: str, i: int) -> int:
+def skip_class(text: str, i: int) -> int:
     """The index after the `]` closing a character class whose content starts at `i` (a `]`
     first in the class, or right after `^`, is a literal)."""
     if text.startswith("^", i):
