@@ -2,8 +2,12 @@
 
 Per step, `prepare` derives what the kernels take from the batch without a device sync: the
 grid sizes come from the host copies of the lengths (`seq_lens_cpu`, `extend_lens_cpu`).
-Per layer, `forward` stores the new K/V (kv_store), then runs decode attention (every request
-has one new token) or extend attention (anything else, mixed lengths included).
+Per layer, `forward` stores the new K/V (kv_store), then runs decode attention over the
+requests with one new token and extend attention over the rest. A mixed step (decodes and a
+prefill chunk) lists its decodes first (the scheduler's order), so the two kernels take the two
+halves of the step's rows: the extend kernel pads a one-token request to a 128-row query tile and
+reads its KV once per query head, several times slower than the split-K decode kernel over the
+long contexts of a busy server.
 """
 
 from __future__ import annotations
@@ -23,22 +27,27 @@ class TritonAttention(AttentionBackend):
     """Paged attention through the kernels in weft.kernels (page size 1, as the KVPool)."""
 
     fused_layers = True
+    split_mixed = True  # False: a mixed step runs the extend kernel only (for the ablation)
 
     def prepare(self, batch: ForwardBatch) -> None:
-        self._is_decode = batch.is_decode
-        if self._is_decode:
+        ext_cpu = batch.extend_lens_cpu
+        num_decode = 0  # the leading requests with one new token
+        if self.split_mixed or batch.is_decode:
+            while num_decode < len(ext_cpu) and ext_cpu[num_decode] == 1:
+                num_decode += 1
+        self._num_decode = num_decode
+        if num_decode:
             k_buf = self.kv_pool.k_buffers[0]
             self._num_kv_splits = default_num_kv_splits(
-                batch.batch_size, k_buf.shape[1], max(batch.seq_lens_cpu), k_buf.device
+                num_decode, k_buf.shape[1], max(batch.seq_lens_cpu[:num_decode]), k_buf.device
             )
+        if num_decode == len(ext_cpu):
             return
-        # request b's queries are rows qo_indptr[b] .. qo_indptr[b+1]-1 of the step's tokens
-        ext = batch.extend_lens
-        self._qo_indptr = torch.zeros(
-            len(batch.extend_lens_cpu) + 1, dtype=ext.dtype, device=ext.device
-        )
+        # request b of the rest has queries qo_indptr[b] .. qo_indptr[b+1]-1 of the rest's rows
+        ext = batch.extend_lens[num_decode:]
+        self._qo_indptr = torch.zeros(len(ext) + 1, dtype=ext.dtype, device=ext.device)
         torch.cumsum(ext, dim=0, out=self._qo_indptr[1:])
-        self._max_extend_len = max(batch.extend_lens_cpu)
+        self._max_extend_len = max(ext_cpu[num_decode:])
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
         kv_store(
@@ -54,7 +63,8 @@ class TritonAttention(AttentionBackend):
         table = self.req_to_token.req_to_token
         num_tokens, num_heads, head_dim = q.shape
         sm_scale = 1.0 / math.sqrt(head_dim)  # SDPA's default, as TorchAttention
-        if self._is_decode:
+        d = self._num_decode  # requests with one new token: rows [0, d)
+        if d == batch.batch_size:
             out = decode_attention(
                 q,
                 k_buf,
@@ -65,16 +75,30 @@ class TritonAttention(AttentionBackend):
                 sm_scale,
                 num_kv_splits=self._num_kv_splits,
             )  # [B, Hq, D], B == T
-        else:
-            out = extend_attention(
-                q,
+            return out.view(num_tokens, num_heads * head_dim)
+        out = torch.empty_like(q)
+        if d:
+            decode_attention(
+                q[:d],
                 k_buf,
                 v_buf,
                 table,
-                batch.req_pool_indices,
-                self._qo_indptr,
-                batch.prefix_lens,
-                self._max_extend_len,
+                batch.req_pool_indices[:d],
+                batch.seq_lens[:d],
                 sm_scale,
-            )  # [T, Hq, D]
+                num_kv_splits=self._num_kv_splits,
+                out=out[:d],
+            )
+        extend_attention(
+            q[d:],
+            k_buf,
+            v_buf,
+            table,
+            batch.req_pool_indices[d:],
+            self._qo_indptr,
+            batch.prefix_lens[d:],
+            self._max_extend_len,
+            sm_scale,
+            out=out[d:],
+        )  # [T - d, Hq, D]
         return out.view(num_tokens, num_heads * head_dim)

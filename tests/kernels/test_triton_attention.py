@@ -93,6 +93,8 @@ def _compare(name, device, dtype, prefix_lens, extend_lens, num_heads, num_kv_he
     reference, triton_backend = TorchAttention(pool, table), TritonAttention(pool, table)
     reference.prepare(batch)
     triton_backend.prepare(batch)
+    leading = next((i for i, n in enumerate(extend_lens) if n != 1), len(extend_lens))
+    assert triton_backend._num_decode == leading  # the decode kernel takes the leading decodes
     num_tokens = batch.num_tokens
     for layer in range(NUM_LAYERS):
         # q, k as the model passes them: head slices of one [T, Hq + Hkv, D] tensor
@@ -116,8 +118,9 @@ def _compare(name, device, dtype, prefix_lens, extend_lens, num_heads, num_kv_he
         ([0, 0], [9, 23]),  # prefill, no cache
         ([17, 5, 30], [6, 20, 2]),  # extend after cached prefixes
         ([8, 0, 25, 3], [1, 14, 1, 1]),  # mixed: decode requests inside an extend step
+        ([30, 8, 0, 12], [1, 1, 14, 1]),  # mixed as scheduled: decodes first, then a chunk
     ],
-    ids=["decode", "prefill", "extend", "mixed"],
+    ids=["decode", "prefill", "extend", "mixed", "decodes-first"],
 )
 def test_triton_matches_torch(request, dtype, prefix_lens, extend_lens):
     _compare(request.node.nodeid, SMALL_DEVICE, dtype, prefix_lens, extend_lens, 4, 2, 16)
