@@ -224,6 +224,11 @@ def summarize(
         d_prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
         d_cached = after["cached_tokens_total"] - before["cached_tokens_total"]
         hit = d_cached / d_prompt if d_prompt else 0.0
+    sched = {  # the scheduler's counters over the run (steps, retractions) and its peak batch
+        key: after[key] - before.get(key, 0) if key != "peak_running" else after[key]
+        for key in ("num_steps", "num_retractions", "peak_running")
+        if key in after
+    }
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -239,6 +244,7 @@ def summarize(
         "e2e_ms": percentiles_ms([r.e2e for r in ok]),
         "server_cache_hit_rate": hit,
         "client_cache_hit_rate": sum(r.cached for r in ok) / prompt if prompt else 0.0,
+        "scheduler": sched,
     }
 
 
@@ -262,6 +268,10 @@ def print_report(title: str, s: dict[str, Any]) -> None:
         f"server cache hit rate     {'n/a' if hit is None else f'{hit:.1%}'}"
         f"   (client-side: {s['client_cache_hit_rate']:.1%})"
     )
+    if s["scheduler"]:
+        print(
+            "scheduler                 " + ", ".join(f"{k} {v}" for k, v in s["scheduler"].items())
+        )
 
 
 # ---- launching a server ---------------------------------------------------------------------

@@ -2,13 +2,21 @@
 
     python benchmarks/profile_decode.py --model-path benchmarks/configs/llama-3.1-8b \\
         --load-format dummy --batch 1 --steps 16
+
+With --prefill-len N, the steps profiled are mixed ones instead: one request of N new prompt
+tokens arrives while the batch decodes, and its chunks share steps with the decodes (a busy
+server). Its step time is printed with the mixed step's decode attention on the decode kernel
+(the default) and on the extend kernel (the ablation, Triton backend only).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import random
 import time
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,6 +36,9 @@ def main() -> None:
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument(
+        "--prefill-len", type=int, default=0, help="profile mixed steps: see the docstring"
+    )
     p.add_argument("--trace", default=None, help="write the profiled steps as a Chrome trace")
     p.add_argument("--no-profile", action="store_true", help="print the step time only")
     p.add_argument("--host", action="store_true", help="cProfile the host side instead")
@@ -72,6 +83,9 @@ def main() -> None:
             torch.cuda.synchronize()
         return (time.perf_counter() - t) / max(taken, 1)
 
+    if args.prefill_len:
+        profile_mixed(engine, args)
+        return
     run(4, "w")
     per_step = run(args.steps, "t")
     print(
@@ -111,6 +125,79 @@ def main() -> None:
     key = "cuda_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=18))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def profile_mixed(engine: Engine, args: argparse.Namespace) -> None:
+    """Mixed steps: a prompt of --prefill-len tokens prefilled while --batch requests decode."""
+    sched = engine.scheduler
+    attention = engine.runner.attention
+    cuda = engine.runner.device.type == "cuda"
+    rng = random.Random(0)
+    vocab = engine.runner.model_config.vocab_size
+
+    def prompt(n: int) -> list[int]:  # random ids: no prefix-cache hits between runs
+        return [rng.randrange(1000, min(vocab, 30000)) for _ in range(n)]
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def run(tag: str, around: Any = None) -> tuple[float, int, float]:
+        """(ms per mixed step, mixed steps, ms per decode step just before); `around` (a
+        context manager) wraps the mixed steps."""
+        for i in range(args.batch):
+            params = SamplingParams(temperature=0, max_new_tokens=4096, ignore_eos=True)
+            sched.add(Req(f"{tag}{i}", prompt(args.input_len), params))
+        while not all(r.output_ids for r in sched.running) or sched.waiting:
+            sched.step()
+        for _ in range(3):
+            sched.step()
+        sync()
+        t = time.perf_counter()
+        for _ in range(8):
+            sched.step()
+        sync()
+        decode_ms = (time.perf_counter() - t) / 8 * 1e3
+        params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+        new = Req(f"{tag}p", prompt(args.prefill_len), params)
+        with around or contextlib.nullcontext():
+            t = time.perf_counter()
+            sched.add(new)
+            steps = 0
+            while not new.finished:
+                sched.step()
+                steps += 1
+            sync()
+        mixed_ms = (time.perf_counter() - t) / steps * 1e3
+        for i in range(args.batch):
+            sched.abort(f"{tag}{i}")
+        while sched.has_work:
+            sched.step()
+        return mixed_ms, steps, decode_ms
+
+    splits = [True, False] if hasattr(attention, "split_mixed") else [True]
+    run("w")  # compiles and warms every kernel of the shapes
+    for split in splits:
+        if hasattr(attention, "split_mixed"):
+            attention.split_mixed = split
+        mixed_ms, steps, decode_ms = run(f"s{split}")
+        kernel = "decode kernel" if split else "extend kernel"
+        print(
+            f"batch {args.batch} decoding at {args.input_len} + prompt of {args.prefill_len} "
+            f"({steps} steps): mixed step {mixed_ms:.2f} ms, decode step {decode_ms:.2f} ms "
+            f"(decodes of mixed steps on the {kernel})"
+        )
+    if hasattr(attention, "split_mixed"):
+        attention.split_mixed = True
+    if args.no_profile:
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities)
+    run("p", prof)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    key = "cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20))
 
 
 if __name__ == "__main__":
