@@ -142,11 +142,16 @@ def profile_mixed(engine: Engine, args: argparse.Namespace) -> None:
         if cuda:
             torch.cuda.synchronize()
 
+    chunk = engine.config.chunked_prefill_size
+    budget = args.batch * args.input_len // chunk + args.prefill_len // chunk + 32
+
     def run(tag: str, around: Any = None) -> tuple[float, int, float]:
         """(ms per mixed step, mixed steps, ms per decode step just before); `around` (a
         context manager) wraps the mixed steps."""
         for i in range(args.batch):
-            params = SamplingParams(temperature=0, max_new_tokens=4096, ignore_eos=True)
+            # NOTE: enough new tokens to outlast the batch's own chunked prefill and the steps
+            # below, few enough that the pool admits them all
+            params = SamplingParams(temperature=0, max_new_tokens=budget, ignore_eos=True)
             sched.add(Req(f"{tag}{i}", prompt(args.input_len), params))
         while not all(r.output_ids for r in sched.running) or sched.waiting:
             sched.step()
