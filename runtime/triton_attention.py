@@ -48,6 +48,10 @@ class TritonAttention(AttentionBackend):
         self._qo_indptr = torch.zeros(len(ext) + 1, dtype=ext.dtype, device=ext.device)
         torch.cumsum(ext, dim=0, out=self._qo_indptr[1:])
         self._max_extend_len = max(ext_cpu[num_decode:])
+        # NOTE: copies, not views at row num_decode: Triton specializes on 16-byte pointer
+        # alignment, and views at odd offsets compiled the extend kernel again mid-serving
+        self._rest_rows = batch.req_pool_indices[num_decode:].clone()
+        self._rest_prefix_lens = batch.prefix_lens[num_decode:].clone()
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
         kv_store(
@@ -94,9 +98,9 @@ class TritonAttention(AttentionBackend):
             k_buf,
             v_buf,
             table,
-            batch.req_pool_indices[d:],
+            self._rest_rows,
             self._qo_indptr,
-            batch.prefix_lens[d:],
+            self._rest_prefix_lens,
             self._max_extend_len,
             sm_scale,
             out=out[d:],
