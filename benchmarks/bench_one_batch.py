@@ -16,7 +16,8 @@ Baselines measured in the same run:
 - the memory roofline: copy bandwidth over the weight bytes one decode step reads (tok/s at
   batch 1), and the bandwidth weft's step achieves (weights + the KV it reads, over step time);
 - the GEMV floor (CUDA): every linear layer of the model applied to [batch, in] through
-  F.linear, replayed from one CUDA graph: a step built on cuBLAS GEMVs cannot be faster;
+  F.linear, replayed from one CUDA graph: a step built on cuBLAS GEMVs cannot be faster (at
+  batch 1 the same is printed through weft's linear, whose Triton GEMV beats cuBLAS there);
 - --hf-baseline: HF transformers (same config, random weights, same dtype and device), greedy
   generate of the same batch; decode tok/s from generate(output_len) minus generate(1).
 """
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from weft import Engine
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import Req
+from weft.runtime.models.layers import linear
 from weft.runtime.sampling_params import SamplingParams
 
 from common import (
@@ -231,8 +233,8 @@ def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def gemv_floor_ms(weights: list[torch.Tensor], batch: int) -> float:
-    """Median device time of F.linear([batch, in], W) over all weights, from one CUDA graph."""
+def gemv_floor_ms(weights: list[torch.Tensor], batch: int, fn: Any = F.linear) -> float:
+    """Median device time of fn([batch, in], W) over all weights, from one CUDA graph."""
     device = weights[0].device
     inputs = {
         w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device) for w in weights
@@ -240,7 +242,7 @@ def gemv_floor_ms(weights: list[torch.Tensor], batch: int) -> float:
 
     def run() -> None:
         for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+            fn(inputs[w.shape[1]], w)
 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -327,6 +329,9 @@ def measure(args: argparse.Namespace, batch: int, info: RunInfo | None) -> tuple
         if row.decode_ms is not None:
             row.floor_ratio = row.decode_ms / row.gemv_floor_ms
         print(f"{tag} GEMV floor: {row.gemv_floor_ms:.3f} ms ({len(weights)} linears)", flush=True)
+        if batch == 1:
+            own = gemv_floor_ms(weights, batch, linear)
+            print(f"{tag} the same through weft's linear (Triton GEMV): {own:.3f} ms", flush=True)
     sched.check_integrity()
     if runner.kv_pool.num_free != runner.kv_pool.size:
         raise AssertionError(f"{tag} KV slots leaked: {runner.kv_pool.num_free} free after flush")
