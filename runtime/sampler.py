@@ -95,13 +95,15 @@ def _sample_fused(
     )
     # NOTE: pinned: a copy from pageable memory may wait for the stream (the forward in flight
     # under the overlap schedule)
-    host = (
-        torch.tensor(
-            [[p.temperature, p.top_p, p.min_p, p.top_k] for p in params], dtype=torch.float32
-        )
-        .pin_memory()
-        .to(device, non_blocking=True)
-    )
+    # NOTE: one row per parameter, each padded to 16 bytes: Triton specializes the kernel on
+    # its pointers' 16-byte alignment, and the columns of a [B, 4] tensor are aligned or not
+    # depending on B (one row: views at 4-byte offsets), so a lone row compiled it anew (~7 s)
+    width = -(-len(params) // 4) * 4
+    table = torch.zeros((4, width), dtype=torch.float32)
+    table[:, : len(params)] = torch.tensor(
+        [[p.temperature, p.top_p, p.min_p, p.top_k] for p in params], dtype=torch.float32
+    ).T
+    host = table.pin_memory().to(device, non_blocking=True)
     words, constrained = None, None
     if bitmask is not None:
         words, rows = bitmask
@@ -112,10 +114,10 @@ def _sample_fused(
         logits.float().contiguous(),
         words,
         constrained,
-        host[:, 0].contiguous(),
-        host[:, 3].to(torch.int32),
-        host[:, 1].contiguous(),
-        host[:, 2].contiguous(),
+        host[0, : len(params)],
+        host[3, : len(params)].to(torch.int32),
+        host[1, : len(params)],
+        host[2, : len(params)],
         uniform,
     )
     return ids

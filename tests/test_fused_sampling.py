@@ -54,3 +54,28 @@ def test_seeded_samples_repeat_and_obey_top_k(engine):
     first = _generate(engine, params, True)
     again = _generate(engine, params, True)
     assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5])
+def test_kernel_arguments_start_16_byte_aligned(monkeypatch, batch):
+    """NOTE: Triton specializes the kernel on its pointers' 16-byte alignment: the parameter
+    vectors were column views of a [B, 4] tensor, misaligned for a lone row, which compiled the
+    kernel anew (~7 s) in the middle of serving."""
+    import weft.runtime.sampler as sampler
+    from weft.runtime.core import Req
+    from weft.runtime.sampling_params import SamplingParams
+
+    seen: list[torch.Tensor] = []
+
+    def spy(*args, **kwargs):
+        seen.extend(a for a in args if isinstance(a, torch.Tensor))
+        return real(*args, **kwargs)
+
+    real = sampler.masked_sample
+    monkeypatch.setattr(sampler, "masked_sample", spy)
+    reqs = [Req(f"r{i}", [1], SamplingParams(temperature=0.5, top_k=3)) for i in range(batch)]
+    logits = torch.randn(batch, 64, device="cuda")
+    ids, _ = sampler.sample_on_device(logits, reqs, frozenset())
+    assert ids.shape == (batch,)
+    assert len(seen) >= 7
+    assert all(t.data_ptr() % 16 == 0 for t in seen), [t.data_ptr() % 16 for t in seen]
