@@ -142,3 +142,17 @@ def test_concurrent_requests_share_a_prefix_being_computed(stories_dir, big):
     ref = big.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
     engine.shutdown()
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(stories_dir, big):
+    """With room for all of them in one step, the first computes the shared prefix and the
+    others wait one step, then take it from the cache."""
+    system = _prompts(1, seed=10)[0] * 5
+    prompts = [system + q for q in _prompts(6, seed=11)]
+    engine = make_engine(stories_dir, max_total_tokens=4096, chunked_prefill_size=4096)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    assert cached[0] == 0 and all(c >= len(system) for c in cached[1:]), cached
+    ref = big.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+    engine.shutdown()
