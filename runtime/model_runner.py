@@ -158,6 +158,14 @@ class ModelRunner:
             self.device,
         )
         graphs.capture()
+        with torch.inference_mode():
+            # NOTE: the logits of one row run the GEMV kernel with the lm_head's tiles: compiled
+            # here, not on the first request that samples alone (a Triton compile takes seconds)
+            self.logits(
+                torch.zeros(
+                    (1, self.model_config.hidden_size), dtype=self.dtype, device=self.device
+                )
+            )
         return graphs
 
     def _load_weights(self, source: ModelSource) -> None:
