@@ -25,7 +25,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (2-core AVX-512 machine).
     """
     if x.shape[0] == 1:
-        if x.is_cuda:
+        if x.is_cuda and x.stride(-1) == 1 and weight.stride(-1) == 1:
             from weft.kernels.gemv import gemv  # NOTE: imported here: Triton is Linux-only
 
             return gemv(x, weight, bias)
