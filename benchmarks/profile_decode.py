@@ -142,7 +142,7 @@ def profile_mixed(engine: Engine, args: argparse.Namespace) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    chunk = engine.config.chunked_prefill_size
+    chunk = engine.scheduler.chunk_size
     budget = args.batch * args.input_len // chunk + args.prefill_len // chunk + 32
 
     def run(tag: str, around: Any = None) -> tuple[float, int, float]:

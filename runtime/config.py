@@ -59,8 +59,12 @@ class EngineConfig:
         default=MAX_SPEC_CHARS,
         metadata=_help("refuse longer regex / json_schema / ebnf / structural_tag texts"),
     )
-    chunked_prefill_size: int = field(
-        default=2048, metadata=_help("max prompt tokens prefilled per step (chunked prefill)")
+    chunked_prefill_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "max prompt tokens prefilled per step (chunked prefill; default 8192 on a GPU of "
+            ">= 35 GiB, else 2048)"
+        ),
     )
     schedule_policy: str = field(
         default="lpm", metadata=_help("waiting-queue order", choices=SCHEDULE_POLICIES)
@@ -115,11 +119,12 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        for name in ("max_running_requests", "chunked_prefill_size", "max_grammar_chars"):
+        for name in ("max_running_requests", "max_grammar_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
             "context_length",
+            "chunked_prefill_size",
             "max_total_tokens",
             "cuda_graph_max_bs",
             "max_prompt_tokens",

@@ -39,6 +39,9 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 LPM_MAX_QUEUE = 128  # past this, prefix matching the whole queue costs more than it saves
 PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at once
+SMALL_CHUNK = 2048  # default prompt tokens per step (CPUs, small GPUs)
+LARGE_CHUNK = 8192  # ... on GPUs of at least LARGE_CHUNK_MIN_BYTES
+LARGE_CHUNK_MIN_BYTES = 35 * 2**30
 IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens with one admitted
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -80,6 +83,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.runner = runner
+        self.chunk_size = config.chunked_prefill_size or default_chunk_size(runner.device)
         self.memory = MemoryManager(
             runner.kv_pool, runner.req_to_token, use_cache=not config.disable_radix_cache
         )
@@ -466,7 +470,7 @@ class Scheduler:
     def _schedule(self) -> list[tuple[Req, int]]:
         """[(request, tokens to process this step)]; memory for all of them is guaranteed."""
         self._make_room_for_decode()
-        budget = self.config.chunked_prefill_size
+        budget = self.chunk_size
         work: list[tuple[Req, int]] = []
         committed = 0
         for req in self.running:
@@ -600,6 +604,23 @@ class Scheduler:
 
     def memory_stats(self) -> dict[str, int]:
         return self.memory.stats(self.running)
+
+
+def default_chunk_size(device: torch.device) -> int:
+    """Prompt tokens per step when --chunked-prefill-size is unset: 8192 on a GPU of >= 35 GiB.
+
+    Measured on an H100 (RESULTS.md, 4096-in / 2048-out workload): 8192 against 2048 gives the
+    same offline throughput (+0.5 %) and a median TTFT of 65 ms instead of 78 at 1 request/s,
+    since most prompts then take one step instead of two; the price is a longer stall of the
+    running decodes when a full chunk lands (ITL p99 24 ms instead of 20).
+    """
+    if device.type == "cuda":
+        return chunk_size_for_memory(torch.cuda.get_device_properties(device).total_memory)
+    return SMALL_CHUNK
+
+
+def chunk_size_for_memory(total_bytes: int) -> int:
+    return LARGE_CHUNK if total_bytes >= LARGE_CHUNK_MIN_BYTES else SMALL_CHUNK
 
 
 class _StepPrefixes:

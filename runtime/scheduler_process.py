@@ -216,6 +216,7 @@ class SchedulerService:
             "kv_pool": s.memory_stats(),
             "kv_integrity_ok": integrity_error is None,
             "kv_integrity_error": integrity_error,
+            "chunked_prefill_size": s.chunk_size,  # resolved (the config's may be unset)
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_steps": s.num_steps,

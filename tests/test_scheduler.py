@@ -156,3 +156,17 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(stories_dir, bi
     ref = big.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
     engine.shutdown()
+
+
+def test_chunked_prefill_size_defaults_by_device_memory(stories_dir):
+    from weft.runtime.scheduler import chunk_size_for_memory
+
+    assert chunk_size_for_memory(80 * 2**30) == 8192  # an H100
+    assert chunk_size_for_memory(35 * 2**30) == 8192
+    assert chunk_size_for_memory(24 * 2**30) == 2048  # a 4090
+    engine = make_engine(stories_dir, max_total_tokens=1024)
+    assert engine.scheduler.chunk_size == 2048  # CPU
+    engine.shutdown()
+    engine = make_engine(stories_dir, max_total_tokens=1024, chunked_prefill_size=64)
+    assert engine.scheduler.chunk_size == 64
+    engine.shutdown()
