@@ -44,7 +44,13 @@ def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
     return start, end
 
 
-@triton.jit
+# NOTE: the split count and the scratch strides that follow it are not specialized on (Triton
+# would compile per value class: 1, multiple of 16, other): a mixed step sizes its splits from
+# the step's contexts, and each new class compiled the kernels again in the middle of serving.
+_SPLIT_ARGS = ["num_splits", "stride_mo_b", "stride_mo_h", "stride_ml_b", "stride_ml_h"]
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _decode_split_kernel(
     q,  # [B, Hq, D]
     k_buf,  # [slots, Hkv, D]
@@ -134,7 +140,7 @@ def _decode_split_kernel(
     tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _decode_merge_kernel(
     mid_o,  # [B, Hq, S, D] fp32
     mid_lse,  # [B, Hq, S] fp32

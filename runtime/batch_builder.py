@@ -91,7 +91,7 @@ def build_batch(
         "future_rows": future_rows,
     }
     cache_loc = torch.cat(slots)
-    padded = [f + [0] * (len(f) % ALIGN_INT64) for f in fields.values()]
+    padded = [f + [0] * (-len(f) % ALIGN_INT64) for f in fields.values()]
     flat = torch.tensor([v for f in padded for v in f], dtype=torch.int64)
     host = torch.cat([flat, cache_loc])
     if device.type == "cuda":

@@ -629,8 +629,9 @@ class _StepPrefixes:
 
     Request r shares with an admitted o iff their first o.prefix_len + IN_BATCH_SHARE_MIN + 1
     tokens agree; those prefixes are kept in sets by length, so a check costs one lookup per
-    distinct length (comparing r with every admitted request cost O(n^2) per step: ~0.4 s for
-    120 programs of a 1,000-token few-shot prefix).
+    distinct length, O(prefix) each (comparing r with every admitted request cost O(n^2) per
+    step: ~0.4 s for 120 programs of a 1,000-token few-shot prefix). Admitted requests with many
+    different cached-prefix lengths make it O(n * lengths) again, still without numpy copies.
     """
 
     def __init__(self, enabled: bool) -> None:

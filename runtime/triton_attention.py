@@ -50,8 +50,11 @@ class TritonAttention(AttentionBackend):
         self._max_extend_len = max(ext_cpu[num_decode:])
         # NOTE: copies, not views at row num_decode: Triton specializes on 16-byte pointer
         # alignment, and views at odd offsets compiled the extend kernel again mid-serving
-        self._rest_rows = batch.req_pool_indices[num_decode:].clone()
-        self._rest_prefix_lens = batch.prefix_lens[num_decode:].clone()
+        self._rest_rows = batch.req_pool_indices[num_decode:]
+        self._rest_prefix_lens = batch.prefix_lens[num_decode:]
+        if num_decode:
+            self._rest_rows = self._rest_rows.clone()
+            self._rest_prefix_lens = self._rest_prefix_lens.clone()
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
         kv_store(
@@ -80,7 +83,7 @@ class TritonAttention(AttentionBackend):
                 num_kv_splits=self._num_kv_splits,
             )  # [B, Hq, D], B == T
             return out.view(num_tokens, num_heads * head_dim)
-        out = torch.empty_like(q)
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         if d:
             decode_attention(
                 q[:d],

@@ -164,9 +164,9 @@ def test_chunked_prefill_size_defaults_by_device_memory(stories_dir):
     assert chunk_size_for_memory(80 * 2**30) == 8192  # an H100
     assert chunk_size_for_memory(35 * 2**30) == 8192
     assert chunk_size_for_memory(24 * 2**30) == 2048  # a 4090
-    engine = make_engine(stories_dir, max_total_tokens=1024)
-    assert engine.scheduler.chunk_size == 2048  # CPU
+    engine = make_engine(stories_dir, device="cpu", max_total_tokens=1024)
+    assert engine.scheduler.chunk_size == 2048
     engine.shutdown()
-    engine = make_engine(stories_dir, max_total_tokens=1024, chunked_prefill_size=64)
+    engine = make_engine(stories_dir, device="cpu", max_total_tokens=1024, chunked_prefill_size=64)
     assert engine.scheduler.chunk_size == 64
     engine.shutdown()

@@ -7,6 +7,7 @@ linears are separate classes so that a tp split drops in here without touching t
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,8 +28,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (2-core AVX-512 machine).
     """
     if x.shape[0] == 1:
-        if x.is_cuda and x.stride(-1) == 1 and weight.stride(-1) == 1:
-            from weft.kernels.gemv import gemv  # NOTE: imported here: Triton is Linux-only
+        if x.is_cuda and HAS_TRITON and x.stride(-1) == 1 and weight.stride(-1) == 1:
+            from weft.kernels.gemv import gemv  # NOTE: imported here: Triton may be missing
 
             return gemv(x, weight, bias)
         if x.device.type == "cpu":
