@@ -91,12 +91,17 @@ def build_batch(
         "future_rows": future_rows,
     }
     cache_loc = torch.cat(slots)
-    padded = [f + [0] * (-len(f) % ALIGN_INT64) for f in fields.values()]
-    flat = torch.tensor([v for f in padded for v in f], dtype=torch.int64)
-    host = torch.cat([flat, cache_loc])
+    flat: list[int] = []
+    sizes = []
+    for values in fields.values():
+        pad = -len(values) % ALIGN_INT64
+        flat += values
+        flat += [0] * pad
+        sizes.append(len(values) + pad)
+    host = torch.cat([torch.tensor(flat, dtype=torch.int64), cache_loc])
     if device.type == "cuda":
         host = host.pin_memory().to(device, non_blocking=True)
-    *columns, loc = host.split([len(f) for f in padded] + [len(cache_loc)])
+    *columns, loc = host.split([*sizes, len(cache_loc)])
     dev = {
         name: column[: len(values)]
         for (name, values), column in zip(fields.items(), columns, strict=True)
