@@ -154,7 +154,6 @@ class EngineConfig:
     @property
     def request_limits(self) -> RequestLimits:
         return RequestLimits(
-            max_prompt_tokens=self.max_prompt_tokens,
             max_new_tokens=self.max_new_tokens_cap,
             max_grammar_chars=self.max_grammar_chars,
         )

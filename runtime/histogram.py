@@ -23,10 +23,6 @@ class BucketCounts:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
     def snapshot(self) -> dict[str, Any]:
         """Plain data for a message: {"bounds", "counts" (per bucket, not cumulative), "sum"}."""
         return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}

@@ -32,9 +32,9 @@ _FLOAT_FIELDS = (
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """A server's policy on what one request may ask for (`EngineConfig.request_limits`)."""
+    """A server's policy on what one request's sampling params may ask for
+    (`EngineConfig.request_limits`; the prompt's length is checked where it is tokenized)."""
 
-    max_prompt_tokens: int | None = None  # None: the context length bounds the prompt
     max_new_tokens: int | None = None  # None: the context length bounds the output
     max_grammar_chars: int = MAX_SPEC_CHARS  # text of a regex / json_schema / ebnf / tag
 

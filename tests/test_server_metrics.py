@@ -19,7 +19,7 @@ from weft.runtime.server.request_log import RequestLog, request_record
 from weft.runtime.server.tokenizer_manager import ReqState, Sample
 from weft.runtime.server_config import ServerConfig
 
-from server_utils import ServerProcess
+from server_utils import ServerProcess, stories_args
 
 LOG_FIELDS = {
     "time",
@@ -50,10 +50,7 @@ def log_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(stories_dir, log_path):
     srv = ServerProcess(
-        "--model-path",
-        str(stories_dir),
-        "--max-total-tokens",
-        "4096",
+        *stories_args(stories_dir),
         "--enable-metrics",
         "--request-log",
         str(log_path),
@@ -236,7 +233,7 @@ def test_bucket_counts_render_as_a_prometheus_histogram():
     for value in (0.05, 0.1, 0.5, 1.0, 3.0):
         counts.observe(value)
     assert counts.counts == [2, 2, 1]  # upper bounds are inclusive, as Prometheus' `le`
-    assert counts.count == 5 and counts.sum == pytest.approx(4.65)
+    assert sum(counts.counts) == 5 and counts.sum == pytest.approx(4.65)
     with pytest.raises(ValueError, match="increase"):
         BucketCounts((1.0, 0.5))
     empty = BucketCounts((0.5,)).snapshot()
