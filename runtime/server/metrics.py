@@ -141,6 +141,37 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# (metric, documentation, key of the scheduler's reply)
+_SCHEDULER_GAUGES = (
+    ("weft:num_running_reqs", "requests in the running batch", "num_running"),
+    ("weft:num_queue_reqs", "requests waiting to be scheduled", "num_waiting"),
+    (
+        "weft:num_grammar_queue_reqs",
+        "requests waiting for their grammar to compile",
+        "num_grammar_waiting",
+    ),
+    ("weft:max_total_num_tokens", "KV pool size in tokens", "kv_total"),
+    (
+        "weft:num_used_tokens",
+        "KV slots in use: neither free nor evictable prefix cache",
+        "kv_used",
+    ),
+    ("weft:num_cached_tokens", "KV slots held by the prefix cache", "kv_cached"),
+)
+_SCHEDULER_COUNTERS = (
+    (
+        "weft:num_retracted_requests",
+        "requests retracted (their KV freed) to let the others decode",
+        "num_retractions",
+    ),
+    (
+        "weft:num_aborted_requests",
+        "requests the scheduler aborted (abort_request, a client gone)",
+        "num_aborted",
+    ),
+)
+
+
 class SchedulerStats:
     """A collector serving the scheduler's reply to `GetMetrics` (see
     `SchedulerService.metrics`) in SGLang's metric names."""
@@ -152,40 +183,15 @@ class SchedulerStats:
         s = self.latest
         if s is None:
             return
+        for name, documentation, key in _SCHEDULER_GAUGES:
+            yield GaugeMetricFamily(name, documentation, value=s[key])
         yield GaugeMetricFamily(
-            "weft:num_running_reqs", "requests in the running batch", value=s["num_running"]
+            "weft:token_usage",
+            "num_used_tokens / max_total_num_tokens",
+            value=s["kv_used"] / s["kv_total"],
         )
-        yield GaugeMetricFamily(
-            "weft:num_queue_reqs", "requests waiting to be scheduled", value=s["num_waiting"]
-        )
-        yield GaugeMetricFamily(
-            "weft:num_grammar_queue_reqs",
-            "requests waiting for their grammar to compile",
-            value=s["num_grammar_waiting"],
-        )
-        total = s["kv_total"]
-        yield GaugeMetricFamily("weft:max_total_num_tokens", "KV pool size in tokens", value=total)
-        yield GaugeMetricFamily(
-            "weft:num_used_tokens",
-            "KV slots in use: neither free nor evictable prefix cache",
-            value=s["kv_used"],
-        )
-        yield GaugeMetricFamily(
-            "weft:token_usage", "num_used_tokens / max_total_num_tokens", value=s["kv_used"] / total
-        )
-        yield GaugeMetricFamily(
-            "weft:num_cached_tokens", "KV slots held by the prefix cache", value=s["kv_cached"]
-        )
-        yield CounterMetricFamily(
-            "weft:num_retracted_requests",
-            "requests retracted (their KV freed) to let the others decode",
-            value=s["num_retractions"],
-        )
-        yield CounterMetricFamily(
-            "weft:num_aborted_requests",
-            "requests the scheduler aborted (abort_request, a client gone)",
-            value=s["num_aborted"],
-        )
+        for name, documentation, key in _SCHEDULER_COUNTERS:
+            yield CounterMetricFamily(name, documentation, value=s[key])
         yield _histogram(
             "weft:grammar_compilation_time_seconds",
             "grammar compile time per constrained request (near 0 on a cache hit)",

@@ -323,6 +323,16 @@ _FLUSH_CACHE = Operation(
     admin=True,
 )
 
+_GENERATION_ERRORS = {
+    "400": _INVALID,
+    "413": _TOO_LARGE,
+    "503": _UNAVAILABLE,
+    "504": _TIMED_OUT,
+}
+_SERVER_INFO = Operation(
+    None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}, admin=True
+)
+
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/health"): Operation(None, {"200": _EMPTY_OK, "503": _UNAVAILABLE}, open=True),
     ("get", "/health_generate"): Operation(
@@ -331,12 +341,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         open=True,
     ),
     ("get", "/get_model_info"): Operation(None, {"200": _json("the model", OBJECT)}),
-    ("get", "/get_server_info"): Operation(
-        None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}, admin=True
-    ),
-    ("get", "/server_info"): Operation(
-        None, {"200": _json("config and state", OBJECT), "503": _UNAVAILABLE}, admin=True
-    ),
+    ("get", "/get_server_info"): _SERVER_INFO,
+    ("get", "/server_info"): _SERVER_INFO,
     ("get", "/flush_cache"): _FLUSH_CACHE,
     ("post", "/flush_cache"): _FLUSH_CACHE,
     ("get", "/metrics"): Operation(
@@ -348,16 +354,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         },
         open=True,
     ),
-    ("post", "/generate"): Operation(
-        "GenerateReqInput",
-        {
-            "200": _GENERATE,
-            "400": _INVALID,
-            "413": _TOO_LARGE,
-            "503": _UNAVAILABLE,
-            "504": _TIMED_OUT,
-        },
-    ),
+    ("post", "/generate"): Operation("GenerateReqInput", {"200": _GENERATE, **_GENERATION_ERRORS}),
     ("post", "/abort_request"): Operation(
         "AbortRequest",
         {
@@ -376,26 +373,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         None, {"200": _json("the model", _ref("Model")), "404": _NO_MODEL}
     ),
     ("post", "/v1/completions"): Operation(
-        "CompletionRequest",
-        {
-            "200": _COMPLETION,
-            "400": _INVALID,
-            "404": _NO_MODEL,
-            "413": _TOO_LARGE,
-            "503": _UNAVAILABLE,
-            "504": _TIMED_OUT,
-        },
+        "CompletionRequest", {"200": _COMPLETION, "404": _NO_MODEL, **_GENERATION_ERRORS}
     ),
     ("post", "/v1/chat/completions"): Operation(
-        "ChatCompletionRequest",
-        {
-            "200": _COMPLETION,
-            "400": _INVALID,
-            "404": _NO_MODEL,
-            "413": _TOO_LARGE,
-            "503": _UNAVAILABLE,
-            "504": _TIMED_OUT,
-        },
+        "ChatCompletionRequest", {"200": _COMPLETION, "404": _NO_MODEL, **_GENERATION_ERRORS}
     ),
 }
 
