@@ -25,6 +25,11 @@ READY = re.compile(r"weft: ready, serving .* at (http://[^ ]+) ")
 STARTUP_TIMEOUT_S = 180.0
 
 
+def stories_args(stories_dir: Any, *extra: str) -> list[str]:
+    """The test servers' common start: stories260K with a 4096-token KV pool, then `extra`."""
+    return ["--model-path", str(stories_dir), "--max-total-tokens", "4096", *extra]
+
+
 class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         cmd = [

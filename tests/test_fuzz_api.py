@@ -27,7 +27,7 @@ from schemathesis.specs.openapi.checks import (
 
 from weft.runtime.server.openapi import OPERATIONS
 
-from server_utils import ServerProcess
+from server_utils import ServerProcess, stories_args
 
 EXAMPLES = int(os.environ.get("WEFT_FUZZ_EXAMPLES", "25"))  # per operation, valid and invalid
 REQUEST_TIMEOUT_S = 20.0  # a grammar may take 3 backends x the 2 s compile timeout
@@ -44,10 +44,7 @@ CHECKS = [
 @pytest.fixture(scope="module")
 def server(stories_dir):
     srv = ServerProcess(
-        "--model-path",
-        str(stories_dir),
-        "--max-total-tokens",
-        "4096",
+        *stories_args(stories_dir),
         "--grammar-compile-timeout",
         "2",
     )

@@ -28,7 +28,7 @@ from weft.grammars.spec import (
     parse_spec,
 )
 
-from server_utils import ServerProcess
+from server_utils import ServerProcess, stories_args
 
 COMPILE_TIMEOUT_S = 0.25  # xgrammar takes ~1 s for ALTERNATION here
 PLAIN_LIMIT_S = 2.0  # a plain 8-token request takes ~0.05 s
@@ -51,10 +51,7 @@ EBNF_CHAIN = "\n".join(
 @pytest.fixture(scope="module")
 def server(stories_dir):
     srv = ServerProcess(
-        "--model-path",
-        str(stories_dir),
-        "--max-total-tokens",
-        "4096",
+        *stories_args(stories_dir),
         "--grammar-backend",
         "xgrammar",
         "--grammar-compile-timeout",
@@ -67,6 +64,16 @@ def server(stories_dir):
     assert srv.stop() == 0
 
 
+def _post_generate(server: ServerProcess, body: str) -> requests.Response:
+    """POST a JSON text to /generate as it is (a spec inlined unescaped, in _send)."""
+    return requests.post(
+        server.url + "/generate",
+        data=body.encode(),
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
+
+
 def _send(server: ServerProcess, field: str, spec_json: str) -> tuple[requests.Response, float]:
     """POST a request constrained by `spec_json` (JSON text) and, while it is in flight, a plain
     one; returns the constrained response and the plain request's latency."""
@@ -75,13 +82,7 @@ def _send(server: ServerProcess, field: str, spec_json: str) -> tuple[requests.R
         f'{{"max_new_tokens": 16, "temperature": 0, "{field}": {spec_json}}}}}'
     )
     with ThreadPoolExecutor(1) as pool:
-        bad = pool.submit(
-            requests.post,
-            server.url + "/generate",
-            data=body.encode(),
-            headers={"content-type": "application/json"},
-            timeout=120,
-        )
+        bad = pool.submit(_post_generate, server, body)
         time.sleep(0.05)
         start = time.perf_counter()
         plain = server.post("/generate", PLAIN)
@@ -203,13 +204,7 @@ def test_a_large_schema_is_validated_off_the_event_loop(server):
     )
     waits: dict[str, list[float]] = {"/health": [], "/generate": []}
     with ThreadPoolExecutor(1) as pool:
-        big = pool.submit(
-            requests.post,
-            server.url + "/generate",
-            data=body.encode(),
-            headers={"content-type": "application/json"},
-            timeout=120,
-        )
+        big = pool.submit(_post_generate, server, body)
         time.sleep(validate_s / 10)  # the server is validating now
         while not big.done():
             for path, waited in waits.items():

@@ -18,7 +18,7 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.sampling_params import SamplingParams
 
 from conftest import make_engine
-from server_utils import ServerProcess
+from server_utils import ServerProcess, stories_args
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 MAX_PROMPT = 1000
@@ -33,10 +33,7 @@ LONG = {"max_new_tokens": CAP, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server(stories_dir):
     srv = ServerProcess(
-        "--model-path",
-        str(stories_dir),
-        "--max-total-tokens",
-        "4096",
+        *stories_args(stories_dir),
         "--context-length",
         "4096",
         "--served-model-name",

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from weft.runtime.server.middleware import cache_namespace, read_api_keys_file
 from weft.runtime.server_config import ServerConfig
 
-from server_utils import ServerProcess
+from server_utils import ServerProcess, stories_args
 
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 SINGLE_KEY = "key-single"  # --api-key: tenant "default"
@@ -45,10 +45,7 @@ def server(stories_dir, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
     srv = KeyedServer(
-        "--model-path",
-        str(stories_dir),
-        "--max-total-tokens",
-        "4096",
+        *stories_args(stories_dir),
         "--context-length",
         "4096",
         "--served-model-name",
