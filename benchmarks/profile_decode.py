@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
-import random
 import time
 from typing import Any
 
@@ -24,6 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from weft import Engine
 from weft.runtime.core import Req
 from weft.runtime.sampling_params import SamplingParams
+
+from common import random_prompts, sync_device
 
 
 def main() -> None:
@@ -117,13 +119,10 @@ def main() -> None:
         return
     if args.no_profile:
         return
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    prof = _profiler(cuda)
+    with prof:
         run(min(args.steps, 16), "p")
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
-    key = "cuda_time_total" if cuda else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=18))
+    _report(prof, cuda, args.trace)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
@@ -131,40 +130,32 @@ def profile_mixed(engine: Engine, args: argparse.Namespace) -> None:
     """Mixed steps: a prompt of --prefill-len tokens prefilled while --batch requests decode."""
     sched = engine.scheduler
     attention = engine.runner.attention
-    cuda = engine.runner.device.type == "cuda"
-    rng = random.Random(0)
+    device = engine.runner.device
     vocab = engine.runner.model_config.vocab_size
-
-    def prompt(n: int) -> list[int]:  # random ids: no prefix-cache hits between runs
-        return [rng.randrange(1000, min(vocab, 30000)) for _ in range(n)]
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    chunk = engine.scheduler.chunk_size
-    budget = args.batch * args.input_len // chunk + args.prefill_len // chunk + 32
+    seeds = itertools.count()  # new random ids per run: no prefix-cache hits between runs
+    # NOTE: enough new tokens to outlast the batch's own chunked prefill and the steps below,
+    # few enough that the pool admits the whole batch
+    budget = (args.batch * args.input_len + args.prefill_len) // sched.chunk_size + 32
 
     def run(tag: str, around: Any = None) -> tuple[float, int, float]:
         """(ms per mixed step, mixed steps, ms per decode step just before); `around` (a
         context manager) wraps the mixed steps."""
-        for i in range(args.batch):
-            # NOTE: enough new tokens to outlast the batch's own chunked prefill and the steps
-            # below, few enough that the pool admits them all
-            params = SamplingParams(temperature=0, max_new_tokens=budget, ignore_eos=True)
-            sched.add(Req(f"{tag}{i}", prompt(args.input_len), params))
+        params = SamplingParams(temperature=0, max_new_tokens=budget, ignore_eos=True)
+        prompts = random_prompts(args.batch, args.input_len, vocab, next(seeds))
+        for i, ids in enumerate(prompts):
+            sched.add(Req(f"{tag}{i}", ids, params))
         while not all(r.output_ids for r in sched.running) or sched.waiting:
             sched.step()
         for _ in range(3):
             sched.step()
-        sync()
+        sync_device(device)
         t = time.perf_counter()
         for _ in range(8):
             sched.step()
-        sync()
+        sync_device(device)
         decode_ms = (time.perf_counter() - t) / 8 * 1e3
-        params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
-        new = Req(f"{tag}p", prompt(args.prefill_len), params)
+        ids = random_prompts(1, args.prefill_len, vocab, next(seeds))[0]
+        new = Req(f"{tag}p", ids, SamplingParams(temperature=0, max_new_tokens=1))
         with around or contextlib.nullcontext():
             t = time.perf_counter()
             sched.add(new)
@@ -172,7 +163,7 @@ def profile_mixed(engine: Engine, args: argparse.Namespace) -> None:
             while not new.finished:
                 sched.step()
                 steps += 1
-            sync()
+            sync_device(device)
         mixed_ms = (time.perf_counter() - t) / steps * 1e3
         for i in range(args.batch):
             sched.abort(f"{tag}{i}")
@@ -180,10 +171,10 @@ def profile_mixed(engine: Engine, args: argparse.Namespace) -> None:
             sched.step()
         return mixed_ms, steps, decode_ms
 
-    splits = [True, False] if hasattr(attention, "split_mixed") else [True]
+    ablation = hasattr(attention, "split_mixed")  # the Triton backend's
     run("w")  # compiles and warms every kernel of the shapes
-    for split in splits:
-        if hasattr(attention, "split_mixed"):
+    for split in [True, False] if ablation else [True]:
+        if ablation:
             attention.split_mixed = split
         mixed_ms, steps, decode_ms = run(f"s{split}")
         kernel = "decode kernel" if split else "extend kernel"
@@ -192,15 +183,23 @@ def profile_mixed(engine: Engine, args: argparse.Namespace) -> None:
             f"({steps} steps): mixed step {mixed_ms:.2f} ms, decode step {decode_ms:.2f} ms "
             f"(decodes of mixed steps on the {kernel})"
         )
-    if hasattr(attention, "split_mixed"):
+    if ablation:
         attention.split_mixed = True
     if args.no_profile:
         return
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=activities)
+    prof = _profiler(device.type == "cuda")
     run("p", prof)
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+    _report(prof, device.type == "cuda", args.trace)
+
+
+def _profiler(cuda: bool) -> profile:
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+
+
+def _report(prof: profile, cuda: bool, trace: str | None) -> None:
+    """The top ops by device time (CPU time on a CPU); the Chrome trace to `trace` if given."""
+    if trace:
+        prof.export_chrome_trace(trace)
     key = "cuda_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=20))
 
