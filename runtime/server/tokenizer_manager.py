@@ -93,6 +93,15 @@ class ReqState:
         return "ok", None
 
     @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.output_ids) for s in self.samples)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (the least over the samples)."""
+        return min(s.cached_tokens for s in self.samples)
+
+    @property
     def e2e_latency(self) -> float | None:
         ends = [s.finished_at for s in self.samples]
         if any(e is None for e in ends):
@@ -528,8 +537,7 @@ class TokenizerManager:
         del self.states[state.rid]
         if state.deadline is not None:
             state.deadline.cancel()
-        completion = sum(len(s.output_ids) for s in state.samples)
-        cached = min(s.cached_tokens for s in state.samples)
+        completion, cached = state.completion_tokens, state.cached_tokens
         self.num_finished += 1
         self.prompt_tokens_total += state.prompt_tokens
         self.cached_tokens_total += cached
