@@ -93,6 +93,13 @@ class EngineConfig:
             "CUDA, the next forward is launched first and the host work overlaps it)"
         ),
     )
+    enable_overlap_schedule: bool = field(
+        default=False,
+        metadata=_help(
+            "run the overlap schedule on any device (by default on CUDA only: on a CPU the "
+            "forward is synchronous, so it only delays the outputs; for tests of its logic)"
+        ),
+    )
     grammar_backend: str = field(
         default="xgrammar,llguidance,outlines",
         metadata=_help(
@@ -137,6 +144,8 @@ class EngineConfig:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
             )
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError("enable_overlap_schedule and disable_overlap_schedule contradict")
         order = self.grammar_backends
         known = ("xgrammar", "llguidance", "outlines", "none")
         if not order or any(name not in known for name in order):

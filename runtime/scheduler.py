@@ -106,8 +106,7 @@ class Scheduler:
         self.peak_running = 0
         self.grammar_compile_s = BucketCounts(GRAMMAR_COMPILE_BUCKETS)  # per constrained request
         self.grammar_mask_s = BucketCounts(GRAMMAR_MASK_BUCKETS)  # per step with constrained rows
-        # NOTE: on CPUs the "device" is this thread: overlapping would only delay the outputs
-        self.overlap = runner.device.type == "cuda" and not config.disable_overlap_schedule
+        self.overlap = overlap_schedule(config, runner.device)
         self._inflight: _InFlight | None = None
         self._resolved: list[Req] = []  # got a token or finished since the last step returned
         self.num_overlapped_steps = 0  # forwards launched before the previous tokens were read
@@ -262,7 +261,7 @@ class Scheduler:
                 self._resolve()
             elif self.grammar_wait and not updates:
                 self._wait_for_grammars()
-            return updates + self._take_resolved()
+            return self._step_updates(updates)
         prev = self._inflight
         batch, plans = build_batch(
             work, self.memory, self.runner.device, prev.ids if prev is not None else None
@@ -282,7 +281,7 @@ class Scheduler:
         self.new_token_ratio = max(
             self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO
         )
-        return updates + self._take_resolved()
+        return self._step_updates(updates)
 
     def _launch(self, hidden: torch.Tensor, plans: list[RowPlan]) -> None:
         """Prompt logprobs, prefill progress into the cache, then sampling (not read back)."""
@@ -374,6 +373,17 @@ class Scheduler:
     def _take_resolved(self) -> list[Req]:
         done, self._resolved = self._resolved, []
         return done
+
+    def _step_updates(self, updates: list[Req]) -> list[Req]:
+        """This step's updates, each request once.
+
+        NOTE: an abort while a step is in flight first reads that step back (the request goes
+        to `_resolved` with its token), then ends it (it goes to `_reported`): the same request
+        is in both lists. Reported twice, its second update found no progress entry in the
+        server's scheduler process (KeyError: the process died with every request in it).
+        """
+        seen = {id(r) for r in updates}
+        return updates + [r for r in self._take_resolved() if id(r) not in seen]
 
     def _fill_bitmask(
         self, logits: torch.Tensor, reqs: list[Req]
@@ -604,6 +614,14 @@ class Scheduler:
 
     def memory_stats(self) -> dict[str, int]:
         return self.memory.stats(self.running)
+
+
+def overlap_schedule(config: EngineConfig, device: torch.device) -> bool:
+    """On by default on CUDA only: on a CPU the "device" is this thread, and overlapping would
+    only delay the outputs (--enable-overlap-schedule forces it, to test its logic there)."""
+    if config.enable_overlap_schedule:
+        return True
+    return device.type == "cuda" and not config.disable_overlap_schedule
 
 
 def default_chunk_size(device: torch.device) -> int:

@@ -19,7 +19,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _overlapped(engine):
-    engine.scheduler.overlap = True
+    assert engine.scheduler.overlap
     return engine
 
 
@@ -30,7 +30,7 @@ def plain(stories_dir):
 
 @pytest.fixture(scope="module")
 def overlap(stories_dir):
-    return _overlapped(make_engine(stories_dir, max_total_tokens=8192))
+    return _overlapped(make_engine(stories_dir, max_total_tokens=8192, enable_overlap_schedule=True))
 
 
 def _same(a: list[dict], b: list[dict]) -> None:
@@ -75,7 +75,9 @@ def test_retraction_under_a_tiny_pool(stories_dir, plain):
     prompts = _prompts(8)
     greedy = {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
     want = plain.generate(input_ids=prompts, sampling_params=greedy)
-    tiny = _overlapped(make_engine(stories_dir, max_total_tokens=400))
+    tiny = _overlapped(
+        make_engine(stories_dir, max_total_tokens=400, enable_overlap_schedule=True)
+    )
     got = tiny.generate(input_ids=prompts, sampling_params=greedy)
     assert tiny.scheduler.num_retractions > 0
     _same(got, want)
@@ -144,3 +146,27 @@ def test_abort_while_a_step_is_in_flight(overlap):
     assert len(out["output_ids"]) < 400
     overlap.call(lambda: None)  # let the abort land
     assert overlap.memory_stats()["in_use"] == 0
+
+
+def test_a_request_aborted_while_in_flight_is_reported_once(overlap):
+    # The abort reads the in-flight step back (the request got a token: resolved) and then ends
+    # it (reported): step() returned it twice, and the server's scheduler process died with a
+    # KeyError on the second update (every client disconnect on a GPU took the server down).
+    from weft.runtime.core import Req
+    from weft.runtime.sampling_params import SamplingParams
+
+    def drive() -> list[list[str]]:
+        scheduler = overlap.scheduler
+        params = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
+        req = Req(rid="twice", input_ids=_prompts(1, seed=6)[0], params=params)
+        scheduler.add(req)
+        steps = [[r.rid for r in scheduler.step()] for _ in range(2)]  # prefill, then a decode
+        assert scheduler._inflight is not None and req.pending is not None
+        assert scheduler.abort("twice")
+        while scheduler.has_work:
+            steps.append([r.rid for r in scheduler.step()])
+        return steps
+
+    steps = overlap.call(drive)
+    assert all(len(step) == len(set(step)) for step in steps), steps
+    assert sum(step.count("twice") for step in steps) == 2  # the first token, then the abort
