@@ -266,13 +266,20 @@ class GrammarManager:
                     raise result
                 return result
             future = self._inflight.get(key)
+            submitted = future is None
             if future is None:
                 future = self._compiles.submit(backend.compile, spec)
                 self._inflight[key] = future
-                future.add_done_callback(functools.partial(self._store, key))
+        if submitted:
+            # NOTE: outside the lock: on a future already done (a quick compile) the callback
+            # runs at once on this thread, and _store takes the lock, which is not reentrant.
+            # Until _store runs, a chain asking for the same key gets the done future.
+            future.add_done_callback(functools.partial(self._store, key))
         return future.result(timeout=self.timeout_s)
 
     def _store(self, key: tuple[str, str, str], future: Future[Any]) -> None:
+        """The compile's done-callback (on its compile worker, or at once on the chain that
+        submitted it): the result, or the refusal, goes from in flight to the cache."""
         with self._lock:
             self._inflight.pop(key, None)
             exc = future.exception()

@@ -1,0 +1,176 @@
+"""GrammarManager's threads: the compile cache under concurrency, the bound on compiles running
+at once, and the compile timeout. A scripted backend stands in for the real ones, so each test
+decides when a compile starts, ends or refuses.
+
+NOTE: a regression here tends to hang rather than fail: every wait has a deadline, and a test
+that would block runs its body on a daemon thread joined with a timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
+from weft.grammars.manager import GrammarError, GrammarManager
+from weft.grammars.no_grammar import AnyTextMatcher
+from weft.grammars.spec import GrammarSpec
+from weft.grammars.vocab import TokenVocab
+
+DEADLINE_S = 10.0  # far past anything a passing test waits for
+TINY_VOCAB = TokenVocab([b"a", b"b", None], [2], "byte_level")
+
+
+class ScriptedBackend(GrammarBackend):
+    """Compiles a regex spec to its text. A spec listed in `gates` runs until its event is set;
+    one in `unsupported` is refused. Records which compiles started, and the most at once."""
+
+    name = "none"
+
+    def __init__(self, gates: dict[str, threading.Event] | None = None) -> None:
+        super().__init__(TINY_VOCAB)
+        self.gates = gates or {}
+        self.unsupported: set[str] = set()
+        self.started: list[str] = []
+        self.running = 0
+        self.most_running = 0
+        self._cond = threading.Condition()
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        with self._cond:
+            self.started.append(spec.text)
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            self._cond.notify_all()
+        try:
+            gate = self.gates.get(spec.text)
+            if gate is not None:
+                assert gate.wait(DEADLINE_S), f"{spec.text} was never released"
+            if spec.text in self.unsupported:
+                raise GrammarUnsupported(f"{spec.text} is not supported")
+            return f"compiled {spec.text}"
+        finally:
+            with self._cond:
+                self.running -= 1
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return AnyTextMatcher()
+
+    def wait_started(self, count: int) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.started) >= count, DEADLINE_S), (
+                f"{len(self.started)} compiles started, expected {count}: {self.started}"
+            )
+
+
+class InlinePool:
+    """Runs each job on the submitting thread: the future is done before `submit` returns, as
+    when a compile finishes before its submitter gets to add a done-callback."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self) -> None:
+        pass
+
+
+class JoinRecorder(dict):
+    """GrammarManager._inflight that notes when a chain finds a compile in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = threading.Event()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        found = super().get(key, default)
+        if found is not None:
+            self.event.set()
+        return found
+
+
+def _manager(backend: ScriptedBackend, timeout_s: float = 30.0) -> GrammarManager:
+    manager = GrammarManager(lambda: TINY_VOCAB, order=["none"], timeout_s=timeout_s)
+    manager._backends["none"] = backend
+    return manager
+
+
+def _spec(name: str) -> GrammarSpec:
+    return GrammarSpec("regex", name)
+
+
+def _within_deadline(body: Callable[[], Any]) -> Any:
+    """body() on a daemon thread: its result, or a failure (not a hung suite) if it blocks."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = body()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(DEADLINE_S)
+    assert not thread.is_alive(), "deadlocked: the body did not return"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def test_a_compile_finished_before_its_callback_is_added_does_not_deadlock():
+    # the compile is done when _compile_cached adds its done-callback, which then runs at once
+    # on the same thread: it must not take a lock that thread already holds
+    backend = ScriptedBackend()
+    manager = _manager(backend)
+    manager._compiles = InlinePool()
+    try:
+        first = _within_deadline(lambda: manager.compile(_spec("a+")))
+        second = _within_deadline(lambda: manager.compile(_spec("a+")))
+    finally:
+        manager.shutdown()
+    assert (first.grammar, second.grammar) == ("compiled a+", "compiled a+")
+    assert backend.started == ["a+"]  # the second came from the cache
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["pool", "inline"])
+def test_a_refusal_is_cached_like_a_grammar(inline):
+    backend = ScriptedBackend()
+    backend.unsupported.add("b+")
+    manager = _manager(backend)
+    if inline:
+        manager._compiles = InlinePool()
+    try:
+        for _ in range(2):
+            with pytest.raises(GrammarError, match=r"^cannot compile the regex: none: b\+ is not"):
+                _within_deadline(lambda: manager.compile(_spec("b+")))
+    finally:
+        manager.shutdown()
+    assert backend.started == ["b+"]
+
+
+def test_identical_specs_in_flight_compile_once():
+    gate = threading.Event()
+    backend = ScriptedBackend({"a+": gate})
+    manager = _manager(backend)
+    try:
+        manager._inflight = joined = JoinRecorder()
+        futures = [manager.submit(_spec("a+")) for _ in range(2)]
+        backend.wait_started(1)
+        assert joined.event.wait(DEADLINE_S)  # the second chain found the compile in flight
+        gate.set()
+        grammars = [f.result(DEADLINE_S).grammar for f in futures]
+    finally:
+        manager.shutdown()
+    assert grammars == ["compiled a+", "compiled a+"]
+    assert backend.started == ["a+"]
+    assert manager._inflight == {}
