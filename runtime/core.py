@@ -20,6 +20,28 @@ import torch
 
 from weft.runtime.sampling_params import SamplingParams
 
+# NOTE: the scheduler names the requests it makes for an n > 1 request (its samples, the shared
+# prompt) by joining the caller's rid with this separator; a caller's rid may hold no control
+# character (`check_rid`), so no caller can name, and abort or collide with, another's sample.
+RID_SEP = "\x1f"
+MAX_RID_CHARS = 256
+
+
+def child_rid(rid: str, part: int | str) -> str:
+    """The rid of sample `part` (or of the shared "prompt") of an n > 1 request."""
+    return f"{rid}{RID_SEP}{part}"
+
+
+def check_rid(rid: object) -> str:
+    """A caller's rid: a non-empty string of printable characters (ValueError naming rid)."""
+    if not isinstance(rid, str) or not rid:
+        raise ValueError("rid must be a non-empty string")
+    if len(rid) > MAX_RID_CHARS:
+        raise ValueError(f"rid is too long: {len(rid)} characters, at most {MAX_RID_CHARS}")
+    if any(c < " " or c == "\x7f" for c in rid):
+        raise ValueError("rid must not contain control characters")
+    return rid
+
 
 @dataclass
 class FinishReason:

@@ -20,7 +20,7 @@ from typing import Any, TypeAlias
 import torch
 
 from weft.runtime.config import EngineConfig
-from weft.runtime.core import LogprobRequest, Req
+from weft.runtime.core import LogprobRequest, Req, check_rid
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.model_runner import ModelRunner, resolve_source
 from weft.runtime.results import request_output
@@ -268,7 +268,7 @@ class Engine:
             )
         rids: list[str | None] = [None] * len(ids_list)
         if rid is not None:
-            rids = [rid] if isinstance(rid, str) else list(rid)
+            rids = [check_rid(r) for r in ([rid] if isinstance(rid, str) else rid)]
         if len(rids) != len(ids_list):
             raise ValueError(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
         logprob = None

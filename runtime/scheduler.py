@@ -23,7 +23,7 @@ from weft.grammars.manager import GrammarManager, RequestGrammar
 from weft.grammars.vocab import TokenVocab
 from weft.runtime.batch_builder import RowPlan, build_batch
 from weft.runtime.config import EngineConfig
-from weft.runtime.core import FinishReason, Req
+from weft.runtime.core import FinishReason, Req, child_rid
 from weft.runtime.histogram import BucketCounts
 from weft.runtime.memory import MemoryManager
 from weft.runtime.model_runner import ModelRunner
@@ -45,9 +45,6 @@ LARGE_CHUNK_MIN_BYTES = 35 * 2**30
 IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens with one admitted
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
-# NOTE: internal rids (n > 1 children, the shared prompt) join the caller's rid with a character
-# that request ids in practice never contain, so they cannot collide with a caller's own rid.
-RID_SEP = "\x1f"
 
 
 @dataclasses.dataclass
@@ -136,7 +133,7 @@ class Scheduler:
             scores_prompt = req.logprob is not None and req.logprob.start_len >= 0
             if self.memory.cache.enabled and not scores_prompt:
                 shared = Req(
-                    rid=f"{req.rid}{RID_SEP}prompt",
+                    rid=child_rid(req.rid, "prompt"),
                     input_ids=req.input_ids,
                     params=dataclasses.replace(req.params, max_new_tokens=0, min_new_tokens=0, n=1),
                     namespace=req.namespace,
@@ -156,7 +153,7 @@ class Scheduler:
         params = dataclasses.replace(req.params, n=1, seed=seed)
         return dataclasses.replace(
             req,
-            rid=f"{req.rid}{RID_SEP}{i}",
+            rid=child_rid(req.rid, i),
             params=params,
             group_rid=req.rid,
             index=i,

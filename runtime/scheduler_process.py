@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,11 +17,12 @@ from typing import Any
 import torch
 import zmq
 
-from weft.runtime.core import LogprobRequest, Req
+from weft.runtime.core import LogprobRequest, Req, child_rid
 from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, setup_child
+from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as to_detok
 from weft.runtime.messages import tokenizer_to_scheduler as from_tm
-from weft.runtime.messages.common import Fatal, ModelInfo, Ready, Reply
+from weft.runtime.messages.common import Fatal, Heartbeat, ModelInfo, Ready, Reply
 from weft.runtime.model_runner import ModelRunner, ModelSource
 from weft.runtime.scheduler import Scheduler
 from weft.runtime.server_config import ServerConfig
@@ -29,6 +31,7 @@ from weft.runtime.tokenizer import end_token_ids, load_tokenizer
 logger = logging.getLogger("weft")
 
 IDLE_POLL_MS = 500  # while idle, wake up this often to check that the parent is alive
+HEARTBEAT_S = 1.0  # how often the process tells the server it is alive (and its progress)
 
 
 class _NoTextDecoder:
@@ -158,7 +161,7 @@ class SchedulerService:
     def _reject(self, r: from_tm.GenerateRequest, hold: int, message: str) -> None:
         reason = {"type": "abort", "message": message}
         for i in range(r.params.n):
-            rid = f"{r.rid}-{i}" if r.params.n > 1 else r.rid
+            rid = child_rid(r.rid, i) if r.params.n > 1 else r.rid
             self._starts.append(to_detok.DecodeStart(rid, True, True, hold))
             finish = to_detok.Finish(reason, decode_last=True, text_len=-1)
             self._rejected.append(to_detok.TokenUpdate(rid, r.rid, i, [], 0, finish))
@@ -246,6 +249,37 @@ class SchedulerService:
         }
 
 
+class HeartbeatThread:
+    """Sends the scheduler's progress to the tokenizer manager every HEARTBEAT_S, from a thread:
+    the heartbeats go on during a long step and stop only when the process is frozen or gone.
+    The manager's watchdog tells a live scheduler that cannot advance its requests from these.
+    NOTE: the thread owns its socket (ZMQ sockets are not thread-safe); `stop` before the
+    context terminates (ctx.term() waits for every socket)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, scheduler: Scheduler) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(ctx, address, scheduler), name="weft-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, ctx: zmq.Context, address: str, scheduler: Scheduler) -> None:
+        sock = push_socket(ctx, address)
+        try:
+            while True:
+                s = scheduler
+                held = len(s.running) + len(s.waiting) + len(s.grammar_wait)
+                sock.send(to_tm.encoder.encode(Heartbeat(s.num_steps, held)), zmq.NOBLOCK)
+                if self._stopped.wait(HEARTBEAT_S):
+                    return
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
 def run_scheduler_process(
     config: ServerConfig, source: ModelSource, ipc: IpcNames, parent_pid: int
 ) -> None:
@@ -259,7 +293,11 @@ def run_scheduler_process(
         service = SchedulerService(config, source)
         outbox.send(to_detok.encoder.encode(Ready(service.model_info())))
         logger.info("scheduler ready in %.1f s", time.perf_counter() - started)
-        service.serve(inbox, outbox, ParentWatch(parent_pid))
+        heartbeat = HeartbeatThread(ctx, ipc.tokenizer, service.scheduler)
+        try:
+            service.serve(inbox, outbox, ParentWatch(parent_pid))
+        finally:
+            heartbeat.stop()
     except Exception as exc:  # reported to the server, then the process exits
         logger.exception("scheduler failed")
         outbox.send(to_detok.encoder.encode(Fatal("scheduler", f"{type(exc).__name__}: {exc}")))

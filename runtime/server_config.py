@@ -75,6 +75,15 @@ class ServerConfig(EngineConfig):
         ),
     )
 
+    watchdog_timeout: float = field(
+        default=300.0,
+        metadata=_help(
+            "seconds the scheduler may hold requests without a step before the server fails "
+            "them and exits non-zero, for a supervisor to restart it (0 = never; /health "
+            "reports the stall sooner)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 <= self.port <= 65535:
@@ -89,6 +98,8 @@ class ServerConfig(EngineConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.watchdog_timeout >= 0:
+            raise ValueError(f"watchdog_timeout must be >= 0, got {self.watchdog_timeout}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if self.request_log == "":

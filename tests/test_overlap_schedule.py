@@ -30,7 +30,9 @@ def plain(stories_dir):
 
 @pytest.fixture(scope="module")
 def overlap(stories_dir):
-    return _overlapped(make_engine(stories_dir, max_total_tokens=8192, enable_overlap_schedule=True))
+    return _overlapped(
+        make_engine(stories_dir, max_total_tokens=8192, enable_overlap_schedule=True)
+    )
 
 
 def _same(a: list[dict], b: list[dict]) -> None:
@@ -75,9 +77,7 @@ def test_retraction_under_a_tiny_pool(stories_dir, plain):
     prompts = _prompts(8)
     greedy = {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
     want = plain.generate(input_ids=prompts, sampling_params=greedy)
-    tiny = _overlapped(
-        make_engine(stories_dir, max_total_tokens=400, enable_overlap_schedule=True)
-    )
+    tiny = _overlapped(make_engine(stories_dir, max_total_tokens=400, enable_overlap_schedule=True))
     got = tiny.generate(input_ids=prompts, sampling_params=greedy)
     assert tiny.scheduler.num_retractions > 0
     _same(got, want)

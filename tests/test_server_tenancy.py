@@ -5,9 +5,11 @@ tenant further); the routes that reach every tenant take the admin key (--admin-
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +219,26 @@ def test_a_tenant_aborts_its_own_requests_only_and_the_admin_anyones(server):
         assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_rids_are_scoped_per_tenant(server):
+    # a tenant could learn that another's rid was live (a 400 "already in use") and take rids
+    # first; each tenant now has a rid space of its own
+    thread, events = _alpha_stream(server, "shared-rid")
+    body = {"text": "Hi", "rid": "shared-rid", "sampling_params": {"max_new_tokens": 3}}
+    r = server.post("/generate", body, headers=bearer("key-beta"))
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["id"] == "shared-rid"
+    r = server.post("/generate", body, headers=bearer("key-alpha"))  # alpha's own is running
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+    r = server.post("/abort_request", {"rid": "shared-rid"}, headers=bearer("key-beta"))
+    assert r.status_code == 404  # beta's has finished; alpha's is not beta's to find
+    assert thread.is_alive()
+    r = server.post("/abort_request", {"rid": "shared-rid"}, headers=bearer("key-alpha"))
+    assert r.status_code == 200
+    thread.join(30)
+    assert json.loads(events[-2])["meta_info"]["id"] == "shared-rid"
+    assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_cache_namespaces_are_distinct():
     names = {
         cache_namespace(None, None),
@@ -303,14 +325,70 @@ def _errors(srv: ServerProcess) -> dict[str, float]:
     }
 
 
-def test_the_middlewares_refusals_are_counted(server):
-    """401 and 413 are answered before the app's handlers: the middlewares count them."""
+def test_refusals_are_counted_by_kind(server):
+    """401s and 403s are counted apart from bad requests (the key middleware answers the 401s,
+    the body-size middleware the 413s, before any handler)."""
     before = _errors(server)
     assert server.post("/generate", {"text": "hi"}).status_code == 401
+    assert generate(server, "key-gamma", {"text": "hi"}).status_code == 401
+    assert server.post("/flush_cache", headers=bearer("key-alpha")).status_code == 403
     big = {"text": "x" * (MAX_BODY + 1), "sampling_params": {"max_new_tokens": 1}}
     assert generate(server, "key-alpha", big).status_code == 413
     after = _errors(server)
-    assert after["bad_request"] - before["bad_request"] == 2
-    assert {k: after[k] - before[k] for k in after if k != "bad_request"} == {
-        k: 0.0 for k in after if k != "bad_request"
+    assert {k: after[k] - before[k] for k in after} == {
+        "bad_request": 1,
+        "unauthorized": 2,
+        "forbidden": 1,
+        "overloaded": 0,
+        "timeout": 0,
+        "internal": 0,
+        "aborted": 0,
     }
+
+
+CLIENT = "127.0.0.1:PORT"
+
+
+def _refusals(srv: ServerProcess, start: int, count: int) -> list[str]:
+    """The server's refusal lines from its output line `start` on, once `count` are there (the
+    output is read by a thread), the client's port as PORT."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = [line for line in srv.lines[start:] if " WARNING refused " in line]
+        if len(found) >= count or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return [re.sub(r":\d+ \(", ":PORT (", line.split(" WARNING ", 1)[1].rstrip()) for line in found]
+
+
+def test_each_refusal_is_logged_without_the_key(server):
+    lines = len(server.lines)
+    assert generate(server, "key-secret-guess", {"text": "hi"}).status_code == 401
+    r = server.post("/abort_request", {"abort_all": True}, headers={"Authorization": "Basic eA=="})
+    assert r.status_code == 401
+    assert server.post("/generate", {"text": "hi"}).status_code == 401
+    assert server.post("/flush_cache", headers=bearer("key-beta")).status_code == 403
+    assert _refusals(server, lines, 4) == [
+        f"refused POST /generate from {CLIENT} (401): an unknown API key",
+        f"refused POST /abort_request from {CLIENT} (401): not a Bearer credential",
+        f"refused POST /generate from {CLIENT} (401): no Authorization header",
+        f"refused POST /flush_cache from {CLIENT} (403): /flush_cache with a tenant's key ('beta')",
+    ]
+    assert "key-secret-guess" not in server.output and "eA==" not in server.output
+
+
+def test_the_scheme_is_case_insensitive(server):
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+    for header in ["bearer key-alpha", "BEARER key-alpha", "Bearer   key-alpha"]:
+        r = server.post("/generate", body, headers={"Authorization": header})
+        assert r.status_code == 200, (header, r.text)
+    # the key itself is exact: not its case, nor a space inside, nor no scheme
+    for header in [
+        "Bearer KEY-ALPHA",
+        "Bearer key- alpha",
+        "Token key-alpha",
+        "key-alpha",
+        "Bearer",
+    ]:
+        r = server.post("/generate", body, headers={"Authorization": header})
+        assert r.status_code == 401, (header, r.text)

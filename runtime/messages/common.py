@@ -34,6 +34,14 @@ class Reply(msgspec.Struct, tag="reply"):
     body: dict[str, Any]
 
 
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """The scheduler process is alive (sent every HEARTBEAT_S by a thread of its own, so it
+    comes during a long step too, and stops only when the whole process is frozen or gone)."""
+
+    steps: int  # scheduler steps so far: progress
+    held: int  # requests it holds (running, waiting, waiting for a grammar)
+
+
 class Fatal(msgspec.Struct, tag="fatal"):
     """A child failed for good (it exits right after sending this)."""
 

@@ -1,5 +1,6 @@
 """Channel detokenizer -> tokenizer manager: client-facing text per step, plus forwarded control
-messages from the scheduler."""
+messages from the scheduler. The scheduler process's heartbeat thread sends `Heartbeat` to the
+same inbox directly (it must come while the scheduler's loop is busy or stuck)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from weft.runtime.messages.common import Fatal, LogprobEntry, Ready, Reply
+from weft.runtime.messages.common import Fatal, Heartbeat, LogprobEntry, Ready, Reply
 
 
 class TextUpdate(msgspec.Struct, array_like=True):
@@ -25,7 +26,7 @@ class TextStep(msgspec.Struct, tag="text"):
     updates: list[TextUpdate]
 
 
-ToTokenizer = TextStep | Ready | Reply | Fatal
+ToTokenizer = TextStep | Ready | Reply | Fatal | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(ToTokenizer)

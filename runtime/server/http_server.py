@@ -77,7 +77,7 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
 
     @app.get("/health")
     async def health() -> Response:
-        tm.check_admitting()  # draining: load balancers must stop routing here
+        tm.check_healthy()  # draining or stuck: load balancers must stop routing here
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -85,7 +85,7 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
         """One token through the whole pipeline (scheduler, detokenizer, back)."""
         tm.check_alive()
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        req = tm.build_request([_probe_token(tm)], params, False, rid=f"health-{id(params)}")
+        req = tm.build_request([_probe_token(tm)], params, False)
         states = tm.submit([req], api="health")
         try:
             await asyncio.wait_for(tm.wait(states), HEALTH_GENERATE_TIMEOUT_S)

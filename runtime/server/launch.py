@@ -169,6 +169,11 @@ class _Server(uvicorn.Server):
                     f"{self.grace_s:g} s (a second signal stops at once)",
                     flush=True,
                 )
+        if self.tm.dead is not None and not self.should_exit:
+            # NOTE: a child died or the watchdog gave up: the pending requests have failed;
+            # exit non-zero, for a supervisor to restart the server
+            print(f"weft: stopping: {self.tm.dead}", file=sys.stderr, flush=True)
+            self.should_exit = True
         if self.should_exit and not self._failed_pending:
             self._failed_pending = True
             self.tm.fail_all("the server is shutting down", 503)
@@ -201,7 +206,7 @@ def launch_server(config: ServerConfig) -> int:
         signals.serving = True  # uvicorn owns SIGINT/SIGTERM from here on
         server.run()
         print("weft: stopped", flush=True)
-        return 0
+        return 0 if tm.dead is None else 1
     except _Interrupted:
         print("weft: interrupted while starting", flush=True)
         return 0

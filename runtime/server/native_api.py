@@ -308,8 +308,7 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
         # with API keys, a tenant aborts its own requests only; the admin, anyone's
         tenant, anyone = tenant_of(request), is_admin(request)
         if body.get("abort_all"):
-            for state_rid in list(tm.states):
-                tm.abort(state_rid, tenant, any_tenant=anyone)
+            tm.abort_all(tenant, any_tenant=anyone)
             return json_response({"success": True})
         if not isinstance(rid, str) or not rid:
             raise bad_request("rid must be a non-empty string", "rid")

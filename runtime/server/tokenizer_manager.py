@@ -2,8 +2,11 @@
 
 It tokenizes and validates requests, sends them to the scheduler, and keeps `rid -> ReqState`
 that the detokenizer's text updates fill in; handlers wait on a state's `listener` event. It
-also watches the child processes: when one dies, every pending request ends with an error and
-/health fails.
+also watches the child processes: when one dies, every pending request ends with an error,
+/health fails and the server exits non-zero (for a supervisor to restart it). The scheduler's
+heartbeats tell a frozen scheduler (no heartbeat) and a stuck one (requests pending, no step):
+/health fails while either lasts, and past --watchdog-timeout the server gives up as if the
+scheduler had died.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,9 +26,10 @@ import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
+from weft.runtime.core import check_rid
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
-from weft.runtime.messages.common import Fatal, LogprobEntry, ModelInfo, Ready, Reply
+from weft.runtime.messages.common import Fatal, Heartbeat, LogprobEntry, ModelInfo, Ready, Reply
 from weft.runtime.model_runner import ModelSource
 from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from weft.runtime.server.errors import ApiError, bad_request, error_kind
@@ -36,6 +41,9 @@ from weft.runtime.server_config import ServerConfig
 logger = logging.getLogger("weft")
 
 QUERY_TIMEOUT_S = 30.0
+HEARTBEAT_TIMEOUT_S = 5.0  # no scheduler heartbeat (sent every second) this long: frozen
+STALL_HEALTH_S = 30.0  # requests pending and no scheduler step this long: /health fails
+WATCHDOG_CHECK_S = 1.0
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
@@ -63,7 +71,7 @@ class Sample:
 
 @dataclass
 class ReqState:
-    rid: str
+    rid: str  # what the caller knows (its own rid, or one made for it)
     prompt_tokens: int
     samples: list[Sample]
     listener: asyncio.Event  # set on every update; may be shared by a batch's states
@@ -75,6 +83,10 @@ class ReqState:
     tenant: str | None = None  # who sent it, where API keys name tenants
     prompt_ids: list[int] | None = None  # kept only for the request log's texts
     deadline: asyncio.TimerHandle | None = None  # --request-timeout's timer
+    # NOTE: the scheduler knows the request by this id, made here: a caller's rid is scoped to
+    # its tenant and never reaches the scheduler, so no caller can name another's request (or
+    # an internal one), nor learn whether another tenant's rid is in use.
+    sched_rid: str = ""
 
     @property
     def finished(self) -> bool:
@@ -139,13 +151,19 @@ class TokenizerManager:
         self._to_scheduler = push_socket(ctx, scheduler_address)
         self._inbox_sync = inbox
         self._inbox: zmq.asyncio.Socket | None = None
-        self.states: dict[str, ReqState] = {}
+        self.states: dict[str, ReqState] = {}  # by sched_rid
+        self._by_caller: dict[tuple[str | None, str], ReqState] = {}  # (tenant, rid)
         self._queries: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._query_ids = itertools.count(1)
         self._token_texts: dict[int, str] = {}
         self._anchor: int | None = None
         self._recv_task: asyncio.Task[None] | None = None
         self.dead: str | None = None  # why the server cannot serve any more
+        # the scheduler's liveness, from its heartbeats (monotonic times)
+        self._heartbeat_at = time.monotonic()
+        self._progress_at = self._heartbeat_at  # its last step while requests were pending
+        self._scheduler_steps = -1
+        self._watchdog_task: asyncio.Task[None] | None = None
         # NOTE: set by the launcher's SIGTERM handler: refuse new requests while running ones
         # finish (a plain flag: a signal handler must not touch the states)
         self.draining = False
@@ -162,6 +180,8 @@ class TokenizerManager:
         loop = asyncio.get_running_loop()
         self._inbox = zmq.asyncio.Socket.from_socket(self._inbox_sync)
         self._recv_task = loop.create_task(self._recv_loop())
+        self._heartbeat_at = self._progress_at = time.monotonic()
+        self._watchdog_task = loop.create_task(self._watchdog())
         for name, proc in self.children:
             loop.add_reader(proc.sentinel, self._child_exited, name, proc)
 
@@ -170,16 +190,19 @@ class TokenizerManager:
         for _, proc in self.children:
             loop.remove_reader(proc.sentinel)
         self.fail_all("the server is shutting down", 503)
-        if self._recv_task is not None:
-            self._recv_task.cancel()
+        for task in (self._recv_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
         if self.request_log is not None:
             self.request_log.close()
             self.request_log = None
 
     def _child_exited(self, name: str, proc: BaseProcess) -> None:
         asyncio.get_running_loop().remove_reader(proc.sentinel)
-        proc.join(0)
-        self._mark_dead(f"the {name} process exited (code {proc.exitcode})")
+        # NOTE: the sentinel closes as the process exits, a moment before it can be reaped:
+        # join(0) saw no exit code yet ("code None")
+        proc.join(1.0)
+        self._mark_dead(f"the {name} process exited ({_exit_status(proc.exitcode)})")
 
     def _mark_dead(self, why: str) -> None:
         if self.dead is None:
@@ -190,6 +213,42 @@ class TokenizerManager:
     @property
     def healthy(self) -> bool:
         return self.dead is None
+
+    def _liveness(self) -> tuple[str | None, float]:
+        return scheduler_liveness(
+            time.monotonic() - self._heartbeat_at,
+            time.monotonic() - self._progress_at if self.states else 0.0,
+            len(self.states),
+            self.config.watchdog_timeout,
+        )
+
+    def check_healthy(self) -> None:
+        """/health: alive, admitting, and the scheduler answers and advances its requests."""
+        self.check_admitting()
+        why, _ = self._liveness()
+        if why is not None:
+            raise ApiError(f"the server is unhealthy: {why}", 503)
+
+    async def _watchdog(self) -> None:
+        """Log a stall once; past --watchdog-timeout, give up on the scheduler: fail every
+        pending request and stop the server (it exits non-zero)."""
+        logged = False
+        while self.dead is None:
+            await asyncio.sleep(WATCHDOG_CHECK_S)
+            why, stalled = self._liveness()
+            if why is not None and not logged:
+                logger.warning("server unhealthy: %s", why)
+            logged = why is not None
+            limit = self.config.watchdog_timeout
+            if why is not None and limit and stalled > limit:
+                self._mark_dead(f"watchdog: {why} (--watchdog-timeout {limit:g})")
+
+    def _on_heartbeat(self, beat: Heartbeat) -> None:
+        now = time.monotonic()
+        self._heartbeat_at = now
+        if beat.steps != self._scheduler_steps or not self.states:
+            self._scheduler_steps = beat.steps
+            self._progress_at = now
 
     def check_alive(self) -> None:
         if self.dead is not None:
@@ -299,12 +358,10 @@ class TokenizerManager:
             raise bad_request(
                 f"top_logprobs_num must be an integer in [0, {top_max}]", "top_logprobs_num"
             )
-        if rid is not None and (not isinstance(rid, str) or not rid):
-            raise bad_request("rid must be a non-empty string", "rid")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         return to_sched.GenerateRequest(
-            rid=rid or uuid.uuid4().hex,
+            rid=uuid.uuid4().hex if rid is None else rid,
             input_ids=ids,
             params=params,
             logprob_start_len=logprob_start_len,
@@ -331,14 +388,18 @@ class TokenizerManager:
         wait for their first token; it is admitted whole otherwise."""
         self.check_admitting()
         self._check_queue()
-        rids = [r.rid for r in reqs]
-        if len(set(rids)) != len(rids) or any(rid in self.states for rid in rids):
+        if not self.states:  # the stall clock counts from the first pending request
+            self._progress_at = time.monotonic()
+        rids = [_checked_rid(r.rid) for r in reqs]
+        if len(set(rids)) != len(rids) or any((tenant, rid) in self._by_caller for rid in rids):
             raise bad_request("rid is already in use by a running request", "rid")
         listener = asyncio.Event()
         states = []
         for r in reqs:
+            caller_rid, r.rid = r.rid, uuid.uuid4().hex
             state = ReqState(
-                rid=r.rid,
+                rid=caller_rid,
+                sched_rid=r.rid,
                 prompt_tokens=len(r.input_ids),
                 samples=[Sample() for _ in range(r.params.n)],
                 listener=listener,
@@ -349,6 +410,7 @@ class TokenizerManager:
                 prompt_ids=r.input_ids if self.config.log_prompts else None,
             )
             self.states[r.rid] = state
+            self._by_caller[(tenant, caller_rid)] = state
             states.append(state)
         self._send(to_sched.Generate(reqs))
         timeout = self.config.request_timeout
@@ -386,7 +448,7 @@ class TokenizerManager:
     def _time_out(self, state: ReqState) -> None:
         """--request-timeout: the client gets a 504 now; the scheduler aborts the request (its
         KV goes back to the pool) and its abort finish removes the state as usual."""
-        if self.states.get(state.rid) is not state or state.finished:
+        if self.states.get(state.sched_rid) is not state or state.finished:
             return
         state.error = ApiError(
             f"the request did not finish within {self.config.request_timeout:g} s "
@@ -395,20 +457,27 @@ class TokenizerManager:
             code="request_timeout",
         )
         if self.dead is None:
-            self._send(to_sched.Abort([state.rid]))
+            self._send(to_sched.Abort([state.sched_rid]))
         state.listener.set()
 
     def abort(self, rid: str, tenant: str | None = None, any_tenant: bool = False) -> bool:
-        """Stop a running request; its KV goes back to the pool (the scheduler frees it). A
-        tenant only finds its own requests (unless any_tenant: the admin's abort)."""
-        state = self.states.get(rid)
-        if state is None or (state.tenant != tenant and not any_tenant):
-            return False
-        self._send(to_sched.Abort([rid]))
-        return True
+        """Stop a running request by the caller's rid; its KV goes back to the pool (the
+        scheduler frees it). A tenant only finds its own requests; the admin (any_tenant)
+        aborts the requests of that rid of every tenant."""
+        if any_tenant:
+            hit = [s for s in self.states.values() if s.rid == rid]
+        else:
+            hit = [s for s in [self._by_caller.get((tenant, rid))] if s is not None]
+        self.abort_unfinished(hit)
+        return bool(hit)
+
+    def abort_all(self, tenant: str | None = None, any_tenant: bool = False) -> None:
+        """Every running request of the tenant (of all tenants: any_tenant)."""
+        mine = [s for s in self.states.values() if any_tenant or s.tenant == tenant]
+        self.abort_unfinished(mine)
 
     def abort_unfinished(self, states: list[ReqState]) -> None:
-        rids = [s.rid for s in states if not s.finished and s.rid in self.states]
+        rids = [s.sched_rid for s in states if not s.finished and s.sched_rid in self.states]
         if rids and self.dead is None:
             self._send(to_sched.Abort(rids))
 
@@ -446,6 +515,9 @@ class TokenizerManager:
         | type[to_sched.GetMetrics],
     ) -> dict[str, Any]:
         self.check_alive()
+        if time.monotonic() - self._heartbeat_at > HEARTBEAT_TIMEOUT_S:
+            why, _ = self._liveness()
+            raise ApiError(f"the scheduler cannot answer: {why}", 503)
         qid = next(self._query_ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._queries[qid] = future
@@ -470,6 +542,7 @@ class TokenizerManager:
             state.listener.set()
             self._record(state)
         self.states.clear()
+        self._by_caller.clear()
         for future in self._queries.values():
             if not future.done():
                 future.set_exception(ApiError(message, status))
@@ -488,6 +561,8 @@ class TokenizerManager:
                     future = self._queries.get(msg.query_id)
                     if future is not None and not future.done():
                         future.set_result(msg.body)
+                elif isinstance(msg, Heartbeat):
+                    self._on_heartbeat(msg)
                 elif isinstance(msg, Fatal):
                     self._mark_dead(f"the {msg.process} process failed: {msg.message}")
                 elif isinstance(msg, Ready):
@@ -534,7 +609,8 @@ class TokenizerManager:
             self.metrics.tokens_arrived(count, now - previous)
 
     def _finished(self, state: ReqState) -> None:
-        del self.states[state.rid]
+        del self.states[state.sched_rid]
+        del self._by_caller[(state.tenant, state.rid)]
         if state.deadline is not None:
             state.deadline.cancel()
         completion, cached = state.completion_tokens, state.cached_tokens
@@ -580,6 +656,42 @@ class TokenizerManager:
             "completion_tokens_total": self.completion_tokens_total,
             "cache_hit_rate": self.cache_hit_rate,
         }
+
+
+def scheduler_liveness(
+    silent_s: float, stuck_s: float, pending: int, watchdog_s: float
+) -> tuple[str | None, float]:
+    """(why /health fails, or None; for how long the scheduler has not advanced) from the time
+    since its last heartbeat, and since its last step while requests were pending."""
+    if silent_s > HEARTBEAT_TIMEOUT_S:
+        why = f"the scheduler process has not answered for {silent_s:.0f} s"
+    elif pending and stuck_s > min(STALL_HEALTH_S, watchdog_s or float("inf")):
+        why = (
+            f"the scheduler holds {pending} pending request(s) and has not stepped for "
+            f"{stuck_s:.0f} s"
+        )
+    else:
+        why = None
+    return why, max(silent_s, stuck_s if pending else 0.0)
+
+
+def _exit_status(code: int | None) -> str:
+    """A process's exit code as words: "code 1", "killed by SIGKILL"."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"code {code}"
+
+
+def _checked_rid(rid: str) -> str:
+    try:
+        return check_rid(rid)
+    except ValueError as exc:
+        raise bad_request(str(exc), "rid") from None
 
 
 def _anchor_token(tokenizer: PreTrainedTokenizerBase) -> int:
