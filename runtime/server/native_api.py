@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from weft.grammars.spec import parse_off_loop
 from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
-from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
+from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import is_admin, tenant_of
 from weft.runtime.server.sglang_params import parse_sampling_params
 from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
@@ -80,10 +80,7 @@ class _Parsed:
 
 
 def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None) -> _Parsed:
-    try:
-        obj = msgspec.json.decode(body, type=GenerateReqInput)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise from_decode_error(exc) from None
+    obj = decode_body(body, GenerateReqInput)
     for name in UNSUPPORTED_FIELDS:
         value = getattr(obj, name)
         if value not in (None, False, [], {}):
@@ -300,10 +297,7 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        try:
-            body = msgspec.json.decode(await request.body() or b"{}", type=dict[str, Any])
-        except (msgspec.DecodeError, RecursionError) as exc:
-            raise from_decode_error(exc) from None
+        body = decode_body(await request.body() or b"{}", dict[str, Any])
         rid = body.get("rid")
         # with API keys, a tenant aborts its own requests only; the admin, anyone's
         tenant, anyone = tenant_of(request), is_admin(request)

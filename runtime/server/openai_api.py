@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -28,7 +27,7 @@ from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.chat import ChatRenderer
-from weft.runtime.server.errors import ApiError, bad_request, from_decode_error, not_supported
+from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import tenant_of
 from weft.runtime.server.native_api import (
     SSE_DONE,
@@ -70,13 +69,6 @@ _SAMPLING_FIELDS = {
     "no_stop_trim": "no_stop_trim",
     "stop_token_ids": "stop_token_ids",
 }
-
-
-def _decode(body: bytes, cls: type[Any]) -> Any:
-    try:
-        return msgspec.json.decode(body, type=cls)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise from_decode_error(exc) from None
 
 
 def _check_model(tm: TokenizerManager, model: str | None) -> str:
@@ -583,13 +575,13 @@ def register(app: FastAPI, tm: TokenizerManager, chat: ChatRenderer) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = _decode(await request.body(), ChatCompletionRequest)
+        req = decode_body(await request.body(), ChatCompletionRequest)
         job = await parse_off_loop(partial(_chat_job, req, tm, chat, tenant_of(request)))
         return await _respond(job, bool(req.stream), req.stream_options, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = _decode(await request.body(), CompletionRequest)
+        req = decode_body(await request.body(), CompletionRequest)
         job = await parse_off_loop(partial(_completion_job, req, tm, tenant_of(request)))
         return await _respond(job, bool(req.stream), req.stream_options, request)
 

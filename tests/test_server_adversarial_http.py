@@ -1,0 +1,130 @@
+"""Hostile HTTP against the real server: bodies that are not UTF-8 JSON get a 400 naming the
+problem on every route that takes one (never a 500). The server keeps serving after each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+import requests
+
+from weft.runtime.server.errors import ApiError, decode_body
+
+from server_utils import ServerProcess, stories_args
+
+OK_NATIVE = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 2}}
+# stories260K has no chat template of its own
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+# each route that takes a body, with a body whose one string is `%s` (the field it reads)
+ROUTES = {
+    "/generate": b'{"text": "%s", "sampling_params": {"max_new_tokens": 2}}',
+    "/v1/completions": b'{"prompt": "%s", "max_tokens": 2}',
+    "/v1/chat/completions": b'{"messages": [{"role": "user", "content": "%s"}], "max_tokens": 2}',
+    "/abort_request": b'{"rid": "%s"}',
+}
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir):
+    srv = ServerProcess(*stories_args(stories_dir, "--chat-template", TEMPLATE))
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+    assert "Traceback" not in srv.output, srv.output
+
+
+def post_raw(srv: ServerProcess, path: str, body: bytes) -> requests.Response:
+    headers = {"content-type": "application/json"}
+    return requests.post(srv.url + path, data=body, headers=headers, timeout=60)
+
+
+def check_400(srv: ServerProcess, r: requests.Response, words: list[str]) -> dict[str, Any]:
+    """A 400 in OpenAI's shape naming the problem; then the server still serves."""
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    for word in words:
+        assert word in error["message"], error
+    after = srv.post("/generate", OK_NATIVE)
+    assert after.status_code == 200, after.text
+    return error
+
+
+# ---- bodies -----------------------------------------------------------------------------------
+
+# (what the string holds, its bytes on the wire, words the error names)
+BAD_STRINGS = [
+    # msgspec raised UnicodeDecodeError, not DecodeError, for these: a 500 with a traceback
+    ("a lone surrogate's raw bytes", b"\xed\xb3\xbf", ["not valid UTF-8", "invalid continuation"]),
+    ("a byte no UTF-8 starts with", b"\xff", ["not valid UTF-8", "invalid start byte"]),
+    ("a cut UTF-8 sequence", b"\xc3", ["not valid UTF-8"]),
+    # no tokenizer could encode it: refused by the JSON decoder, as before
+    ("an escaped lone surrogate", b"\\udcff", ["malformed JSON", "surrogate"]),
+    ("a raw NUL", b"\x00", ["malformed JSON", "invalid character"]),
+]
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+@pytest.mark.parametrize("raw,words", [c[1:] for c in BAD_STRINGS], ids=[c[0] for c in BAD_STRINGS])
+def test_a_bad_string_is_a_400_on_every_route(server, path, raw, words):
+    check_400(server, post_raw(server, path, ROUTES[path] % raw), words)
+
+
+def test_the_error_names_the_byte(server):
+    r = post_raw(server, "/generate", b'{"text": "\xed\xb3\xbf"}')
+    error = check_400(server, r, [])
+    assert error["message"] == (
+        "malformed JSON body: not valid UTF-8 at byte 10 (invalid continuation byte)"
+    )
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_bytes_that_are_not_utf8_are_refused_in_any_field(server, path):
+    """Even in a field the route ignores (msgspec skips those unchecked), as json.loads would."""
+    body = ROUTES[path] % b"Hi"
+    body = body[:-1] + b', "unknown_field": "\xed\xb3\xbf"}'
+    check_400(server, post_raw(server, path, body), ["not valid UTF-8"])
+
+
+# (case, the whole body from the route's good one, words the error names)
+BAD_BODIES = [
+    ("invalid JSON", lambda ok: b"{text: 1}", ["malformed JSON"]),
+    ("truncated", lambda ok: ok[:-5], ["malformed JSON", "truncated"]),
+    ("trailing bytes", lambda ok: ok + b" {}", ["malformed JSON", "trailing"]),
+    ("a NUL after the object", lambda ok: ok + b"\x00", ["malformed JSON", "trailing"]),
+    ("only a NUL", lambda ok: b"\x00", ["malformed JSON"]),
+    ("an array", lambda ok: b"[" + ok + b"]", ["Expected `object`, got `array`"]),
+    ("a string", lambda ok: b'"Hi"', ["Expected `object`, got `str`"]),
+    ("null", lambda ok: b"null", ["Expected `object`, got `null`"]),
+    ("a number", lambda ok: b"42", ["Expected `object`, got `int`"]),
+]
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+@pytest.mark.parametrize("body,words", [c[1:] for c in BAD_BODIES], ids=[c[0] for c in BAD_BODIES])
+def test_a_bad_body_is_a_400_on_every_route(server, path, body, words):
+    check_400(server, post_raw(server, path, body(ROUTES[path] % b"Hi")), words)
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_an_escaped_nul_is_text(server, path):
+    """ "\\u0000" is valid JSON for a NUL character: tokenized like any other text."""
+    r = post_raw(server, path, ROUTES[path] % b"Once\\u0000 upon")
+    assert r.status_code == 200, r.text
+
+
+def test_a_dicts_value_is_no_field():
+    """msgspec names a dict's value `$[...]`: no field to name (`param` was "[...]")."""
+    with pytest.raises(ApiError) as exc:
+        decode_body(b'{"rid": 1e999}', dict[str, Any])
+    assert (exc.value.status, exc.value.param) == (400, None)
+
+    class Body(msgspec.Struct):
+        text: Any = None
+
+    with pytest.raises(ApiError) as exc:
+        decode_body(b'{"text": 1e999}', Body)
+    assert (exc.value.status, exc.value.param) == (400, "text")
