@@ -1,8 +1,13 @@
 """Hostile HTTP against the real server: bodies that are not UTF-8 JSON get a 400 naming the
-problem on every route that takes one (never a 500). The server keeps serving after each."""
+problem on every route that takes one (never a 500), and a client that sends its request
+headers slowly or without end is cut off (a 408 or a 431, and the connection closed) while
+others are served. The server keeps serving after each."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from typing import Any
 
 import msgspec
@@ -10,6 +15,7 @@ import pytest
 import requests
 
 from weft.runtime.server.errors import ApiError, decode_body
+from weft.runtime.server.launch import HEADER_TIMEOUT_S, MAX_HEADER_BYTES
 
 from server_utils import ServerProcess, stories_args
 
@@ -128,3 +134,108 @@ def test_a_dicts_value_is_no_field():
     with pytest.raises(ApiError) as exc:
         decode_body(b'{"text": 1e999}', Body)
     assert (exc.value.status, exc.value.param) == (400, "text")
+
+
+# ---- request headers --------------------------------------------------------------------------
+
+
+def connect(srv: ServerProcess) -> socket.socket:
+    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=HEADER_TIMEOUT_S + 10)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (socket.timeout if it never does)."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def assert_cut_off(sock: socket.socket, since: float, status: bytes | None) -> None:
+    """The server answers `status` (None: nothing) and closes, HEADER_TIMEOUT_S after `since`."""
+    reply = read_until_closed(sock)
+    took = time.monotonic() - since
+    assert HEADER_TIMEOUT_S - 0.5 < took < HEADER_TIMEOUT_S + 5, took
+    if status is None:
+        assert reply == b""
+    else:
+        assert reply.startswith(b"HTTP/1.1 " + status), reply
+
+
+def test_slow_headers_are_cut_off_and_others_are_served(server):
+    started = time.monotonic()
+    slow = []  # (socket, when it connected)
+    for _ in range(200):
+        sock = connect(server)
+        slow.append((sock, time.monotonic()))
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: weft\r\nContent-Le")
+    silent = connect(server), time.monotonic()  # never sends a byte
+    blank = connect(server), time.monotonic()
+    blank[0].sendall(b"\r\n\r\n")  # CRLFs before a request begin none
+    trickle = connect(server), time.monotonic()
+    stop = threading.Event()
+
+    def send_a_byte_at_a_time() -> None:
+        for byte in b"GET /health HTTP/1.1\r\nHost: weft\r\nX-Slow: " + b"a" * 60:
+            if stop.wait(0.5):
+                return
+            try:
+                trickle[0].send(bytes([byte]))
+            except OSError:
+                return  # cut off
+
+    sender = threading.Thread(target=send_a_byte_at_a_time)
+    sender.start()
+    try:
+        # while they hang, a normal client is served
+        assert server.post("/generate", OK_NATIVE).status_code == 200
+        assert time.monotonic() - started < HEADER_TIMEOUT_S - 1, "the test itself was too slow"
+        for sock, since in slow:
+            assert_cut_off(sock, since, b"408")
+        assert_cut_off(*silent, None)
+        assert_cut_off(*blank, None)
+        assert_cut_off(*trickle, b"408")  # its deadline is never pushed back
+    finally:
+        stop.set()
+        sender.join()
+        for sock, _ in [*slow, silent, blank, trickle]:
+            sock.close()
+    assert server.post("/generate", OK_NATIVE).status_code == 200
+
+
+def test_a_kept_alive_connections_next_request_has_its_own_deadline(server):
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: weft\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        # within uvicorn's keep-alive (5 s), the next request begins and never ends its headers
+        time.sleep(1.0)
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")
+        assert_cut_off(sock, started, b"408")
+
+
+def test_a_slow_body_is_not_cut_off(server):
+    """The deadline is on the headers only: a body may take longer (the handler reads it)."""
+    body = ROUTES["/generate"] % b"Once upon a time"
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: weft\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10]
+        )
+        time.sleep(HEADER_TIMEOUT_S + 1)
+        sock.sendall(body[10:])
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_endless_headers_are_refused(server):
+    head = b"GET /health HTTP/1.1\r\nHost: weft\r\nX-Filler: "
+    with connect(server) as sock:
+        # NOTE: not a byte more than the bound: bytes still unread when the server closes
+        # would make it reset the connection, and the reply could be lost
+        sock.sendall(head + b"a" * (MAX_HEADER_BYTES + 1 - len(head)))
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 431"), reply
+    # headers well within the bound are served
+    cookie = {"Cookie": "a=" + "b" * (MAX_HEADER_BYTES // 2)}
+    assert server.get("/health", headers=cookie).status_code == 200

@@ -15,6 +15,8 @@ cleaning up (they watch their parent pid).
 
 from __future__ import annotations
 
+import asyncio
+import http
 import logging
 import multiprocessing
 import os
@@ -23,10 +25,11 @@ import sys
 import time
 from multiprocessing.process import BaseProcess
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 import zmq
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from weft.runtime.detokenizer_process import run_detokenizer_process
 from weft.runtime.ipc import IpcNames, pull_socket, remove_ipc_folder, setup_logging
@@ -229,12 +232,108 @@ def _uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http="httptools",
         log_level=level,
         access_log=level == "debug",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=5,
+        http=_BoundedHeadersProtocol,
     )
+
+
+# A request's headers must arrive within HEADER_TIMEOUT_S (from the connection's start for its
+# first request, from a request's first bytes for later ones) and within MAX_HEADER_BYTES:
+# otherwise a client that sends them slowly, or without end, holds a connection and its memory
+# for as long as it likes (3,000 slow-header connections were held once). uvicorn has neither
+# bound; it only closes a connection idle between requests (timeout_keep_alive).
+HEADER_TIMEOUT_S = 10.0
+MAX_HEADER_BYTES = 64 * 1024  # the request line and all headers; nginx allows 32 KiB
+
+
+class _BoundedHeadersProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the two bounds above: a 408 or a 431, and the
+    connection closed. A body that arrives slowly is not bounded here (the handlers read it).
+
+    NOTE: relies on HttpToolsProtocol's callbacks (as of uvicorn 0.54): connection_made,
+    data_received, on_message_begin, on_headers_complete, on_message_complete,
+    connection_lost; and on its `cycle`, `transport`, `loop` and `server_state`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # "idle": no request begun (bytes may still come: CRLFs begin no request),
+        # "headers": a request's line and headers are arriving, "body": its body is
+        self._reading: Literal["idle", "headers", "body"] = "idle"
+        self._header_bytes = 0  # bytes received since the last request's headers ended
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._reading != "body":
+            self._arm()
+            self._header_bytes += len(data)
+        super().data_received(data)
+        # NOTE: counts a whole chunk, though a body may follow the headers in it; the count
+        # restarts where they end, so only a request whose headers did not end is refused
+        if self._reading != "body" and self._header_bytes > MAX_HEADER_BYTES:
+            self._refuse(431, "the request headers are too large")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading = "headers"
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._reading = "body"
+        self._header_bytes = 0
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._reading = "idle"
+        super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is None:  # a deadline is never pushed back
+            self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        self._refuse(408, "the request headers did not arrive in time")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer `status` to the request whose headers are arriving, and close (a connection
+        where no request began just ends, as an idle one does)."""
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        # NOTE: a response on its way (the headers are a pipelined request's) is cut short: a
+        # client that pipelines a request does not send it slowly unless it is broken or hostile
+        responding = self.cycle is not None and not self.cycle.response_complete
+        if self._reading == "headers" and not responding:
+            who = f"{self.client[0]}:{self.client[1]}" if self.client else "an unknown client"
+            logger.info("%s from %s (%d): connection closed", message, who, status)
+            body = message.encode()
+            head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode()]
+            head += [
+                name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
+            ]
+            head.append(
+                b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n" % len(body)
+            )
+            self.transport.write(b"".join(head) + body)
+        self.transport.close()
 
 
 class _SignalGate:
