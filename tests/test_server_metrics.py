@@ -139,7 +139,15 @@ def test_metrics_count_the_requests_exactly(server, traffic, log_path):
     assert _value(m, E2E, "_count") == finished
     assert 0 < _value(m, ITL, "_sum") < _value(m, E2E, "_sum")
     errors = {dict(k[1])["kind"]: v for k, v in m["weft:num_errors"].items()}
-    assert errors == {"bad_request": 1, "overloaded": 0, "timeout": 0, "internal": 0, "aborted": 1}
+    assert errors == {
+        "bad_request": 1,
+        "unauthorized": 0,
+        "forbidden": 0,
+        "overloaded": 0,
+        "timeout": 0,
+        "internal": 0,
+        "aborted": 1,
+    }
     assert _value(m, "weft:num_aborted_requests", "_total") == 1
     assert _value(m, "weft:num_retracted_requests", "_total") == 0
 
@@ -212,9 +220,12 @@ def test_kv_usage_while_a_request_runs(server, traffic, log_path):
 
 
 def test_error_kinds():
-    kinds = {s: error_kind(s) for s in (400, 404, 413, 422, 429, 503, 408, 504, 499, 500, 502)}
+    statuses = (400, 401, 403, 404, 413, 422, 429, 503, 408, 504, 499, 500, 502)
+    kinds = {s: error_kind(s) for s in statuses}
     assert kinds == {
         400: "bad_request",
+        401: "unauthorized",
+        403: "forbidden",
         404: "bad_request",
         413: "bad_request",
         422: "bad_request",

@@ -59,13 +59,27 @@ def not_supported(what: str, param: str | None = None) -> ApiError:
     return ApiError(f"{what} is not supported yet", 400, param=param, code="not_supported")
 
 
-ERROR_KINDS = ("bad_request", "overloaded", "timeout", "internal", "aborted")
+ERROR_KINDS = (
+    "bad_request",
+    "unauthorized",
+    "forbidden",
+    "overloaded",
+    "timeout",
+    "internal",
+    "aborted",
+)
 
 
 def error_kind(status: int) -> str:
-    """The kind of an error status, as metrics and the request log name it."""
+    """The kind of an error status, as metrics and the request log name it. A refused key (401)
+    or a tenant's key on an admin route (403) is not a bad request: counted apart, an attack
+    or a misconfigured client shows."""
     if status == 499:  # the client went away (nginx's code)
         return "aborted"
+    if status == 401:
+        return "unauthorized"
+    if status == 403:
+        return "forbidden"
     if status in (429, 503):
         return "overloaded"
     if status in (408, 504):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weft.runtime.server.errors import ApiError
 from weft.runtime.server_config import ServerConfig
+
+logger = logging.getLogger("weft")
 
 TENANT_SCOPE_KEY = "weft.tenant"
 ADMIN_SCOPE_KEY = "weft.admin"  # True when the request carries the admin key
@@ -113,6 +116,7 @@ def require_admin(request: Request, config: ServerConfig, what: str) -> None:
     tenant's key is a 403 (no key at all was a 401 already, in the key middleware)."""
     if config.api_keys_file is None or is_admin(request):
         return
+    log_refused(request.scope, 403, f"{what} with a tenant's key ({tenant_of(request)!r})")
     missing = "" if config.admin_api_key is not None else "; this server has none"
     raise ApiError(
         f"{what} reaches every tenant: it takes the admin API key (--admin-api-key{missing}), "
@@ -136,7 +140,8 @@ def cache_namespace(tenant: str | None, cache_salt: str | None) -> str:
 class ApiKeyMiddleware:
     """'Authorization: Bearer KEY' on every route but /health* and /metrics (probes and
     scrapers carry no key), as SGLang does; the key's tenant (and whether it is `admin_key`)
-    goes into the scope."""
+    goes into the scope. The scheme is case-insensitive and may be followed by several spaces
+    (RFC 7235: `auth-scheme 1*SP token68`); the key itself is compared exactly."""
 
     def __init__(
         self,
@@ -147,25 +152,44 @@ class ApiKeyMiddleware:
     ) -> None:
         self.app = app
         self.on_error = on_error
-        self.keys = [
-            (f"Bearer {key}".encode(), tenant, key == admin_key) for key, tenant in keys.items()
-        ]
+        self.keys = [(key.encode(), tenant, key == admin_key) for key, tenant in keys.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _open_path(scope["path"]):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        given = dict(scope["headers"]).get(b"authorization")
+        scheme, _, key = (given or b"").partition(b" ")
+        key = key.lstrip(b" ")
+        bearer = scheme.lower() == b"bearer"
         tenant, admin = None, False
         for expected, name, is_admin_key in self.keys:
             # NOTE: constant time, and no early exit: the time taken says nothing about the key
-            if hmac.compare_digest(given, expected):
+            if hmac.compare_digest(key, expected) and bearer:
                 tenant, admin = name, is_admin_key
         if tenant is None:
+            log_refused(scope, 401, _why_refused(given, bearer, key))
             error = ApiError("invalid or missing API key", 401, code="invalid_api_key")
             await _error_response(error, self.on_error)(scope, receive, send)
             return
         await self.app({**scope, TENANT_SCOPE_KEY: tenant, ADMIN_SCOPE_KEY: admin}, receive, send)
+
+
+def _why_refused(given: bytes | None, bearer: bool, key: bytes) -> str:
+    if given is None:
+        return "no Authorization header"
+    if not bearer:
+        return "not a Bearer credential"
+    return "an unknown API key" if key else "an empty API key"
+
+
+def log_refused(scope: Scope, status: int, why: str) -> None:
+    """One line per refused request (401, 403): the route and who asked. NOTE: never the key;
+    the path is escaped and cut short (a client must not write lines into the log)."""
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "an unknown client"
+    path = scope["path"][:200].encode("unicode_escape").decode("ascii")
+    logger.warning("refused %s %s from %s (%d): %s", scope["method"], path, who, status, why)
 
 
 def _open_path(path: str) -> bool:
