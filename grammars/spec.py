@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects/arrays in a schema document
 MAX_GROUP_DEPTH = 64  # nesting of parentheses in a regex or an EBNF grammar
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices", "structural_tag")
 INLINE_SPEC_CHARS = 16 * 1024  # longer specs are checked off the event loop (`parse_off_loop`)
+OFF_LOOP_WORKERS = 4  # threads for the work `parse_off_loop` moves off the event loop
 
 T = TypeVar("T")
 
@@ -88,58 +90,76 @@ def parse_spec(
         raise InvalidSpec(f"{field} must be a string, got {type(text).__name__}")
     if len(text) > max_chars:
         raise InvalidSpec(f"{field} is too large: {len(text)} characters (at most {max_chars})")
-    checked = _checked_off_loop.get()
-    if checked is not None and len(text) > INLINE_SPEC_CHARS:
-        result = checked.get((field, text))
-        if result is None:
-            raise _CheckOffLoop(field, text)
-        if isinstance(result, InvalidSpec):
-            raise InvalidSpec(str(result))
-        return result
+    if len(text) > INLINE_SPEC_CHARS:
+        return off_loop(("spec", field, text), lambda: _parse_spec(field, text, validated))
     return _parse_spec(field, text, validated)
 
 
-class _CheckOffLoop(Exception):
-    """A large spec met inside `parse_off_loop`: checked on a worker thread, then parse reruns."""
+class _OffLoop(Exception):
+    """Slow work met inside `parse_off_loop`: done on a worker thread, then parse reruns."""
 
-    def __init__(self, field: str, text: str) -> None:
-        super().__init__(f"{field} ({len(text)} characters) is checked off the event loop")
-        self.field = field
-        self.text = text
+    def __init__(self, key: Hashable, work: Callable[[], Any]) -> None:
+        super().__init__("work moved off the event loop")
+        self.key = key
+        self.work = work
 
 
-# Inside `parse_off_loop` (per asyncio task): the large specs checked on a worker thread so far.
-_checked_off_loop: ContextVar[dict[tuple[str, str], GrammarSpec | InvalidSpec] | None]
-_checked_off_loop = ContextVar("weft_checked_off_loop", default=None)
+@dataclass
+class _Raised:
+    error: Exception
+
+
+# Inside `parse_off_loop` (per asyncio task): the results of the work done off the loop so far.
+_done_off_loop: ContextVar[dict[Hashable, Any] | None]
+_done_off_loop = ContextVar("weft_done_off_loop", default=None)
+_off_loop_pool = ThreadPoolExecutor(OFF_LOOP_WORKERS, thread_name_prefix="weft-off-loop")
+
+
+def off_loop(key: Hashable, work: Callable[[], T]) -> T:
+    """work() here, or inside `parse_off_loop` on one of its worker threads (`key` names the
+    work: the parse that meets it again gets its result, or its exception raised again)."""
+    done = _done_off_loop.get()
+    if done is None:
+        return work()
+    if key not in done:
+        raise _OffLoop(key, work)
+    result = done[key]
+    if isinstance(result, _Raised):
+        raise result.error
+    return result  # type: ignore[no-any-return]
 
 
 async def parse_off_loop(parse: Callable[[], T]) -> T:
-    """Run `parse` (sync code that calls parse_spec, e.g. a request's validation) on the event
-    loop, except that each spec longer than INLINE_SPEC_CHARS is checked on a worker thread:
-    `parse` stops at it, and runs again once it is checked.
+    """Run `parse` (sync code, e.g. a request's validation) on the event loop, except the slow
+    parts it marks with `off_loop` (specs longer than INLINE_SPEC_CHARS, long prompts to
+    tokenize): `parse` stops at each, which runs on a worker thread (OFF_LOOP_WORKERS of them),
+    and runs again once it is done.
 
     NOTE: meta-validating a large JSON schema takes up to a second (thousands of patterns), and
-    the loop serves every other request meanwhile. `parse` must do nothing that cannot be done
-    twice before its last parse_spec call.
+    tokenizing a megabyte prompt seconds (it releases the GIL), while the loop serves every
+    other client. `parse` must do nothing that cannot be done twice before its last `off_loop`
+    call.
     """
-    checked: dict[tuple[str, str], GrammarSpec | InvalidSpec] = {}
-    token = _checked_off_loop.set(checked)
+    done: dict[Hashable, Any] = {}
+    token = _done_off_loop.set(done)
+    loop = asyncio.get_running_loop()
     try:
         while True:
             try:
                 return parse()
-            except _CheckOffLoop as pending:
-                key = (pending.field, pending.text)
-                checked[key] = await asyncio.to_thread(_parse_or_error, *key)
+            except _OffLoop as pending:
+                done[pending.key] = await loop.run_in_executor(
+                    _off_loop_pool, _result_or_raised, pending.work
+                )
     finally:
-        _checked_off_loop.reset(token)
+        _done_off_loop.reset(token)
 
 
-def _parse_or_error(field: str, text: str) -> GrammarSpec | InvalidSpec:
+def _result_or_raised(work: Callable[[], Any]) -> Any:
     try:
-        return _parse_spec(field, text)
-    except InvalidSpec as exc:
-        return exc
+        return work()
+    except Exception as exc:
+        return _Raised(exc)
 
 
 # NOTE: meta-validating a JSON schema takes milliseconds, and a request's spec is parsed two or

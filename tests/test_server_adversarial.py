@@ -8,6 +8,7 @@ test_server_adversarial_http.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import requests
 
+from weft.grammars.spec import off_loop, parse_off_loop
 from weft.runtime.server.tokenizer_manager import (
     HEARTBEAT_TIMEOUT_S,
     STALL_HEALTH_S,
@@ -194,3 +196,63 @@ def test_a_killed_detokenizer_fails_pending_requests_and_the_server_exits(storie
     )
     assert srv.proc.wait(30) == 1
     assert srv.stop() == 1
+
+
+# ---- oversized prompts --------------------------------------------------------------------
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing_and_health_stays_live(server):
+    # a 16 MB prompt (under the 32 MiB body limit) was tokenized on the event loop: /health and
+    # every other client's stream froze for 26 s
+    health: list[tuple[int, float]] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            status = server.get("/health").status_code
+            health.append((status, time.monotonic() - started))
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    huge = "Once upon a time " * (1 << 20)  # 17 MiB
+    started = time.monotonic()
+    try:
+        for path, body in [
+            ("/generate", {"text": huge, "sampling_params": {"max_new_tokens": 1}}),
+            ("/v1/completions", {"model": model, "prompt": huge, "max_tokens": 1}),
+        ]:
+            r = requests.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "context_length_exceeded", error
+            assert "characters can only make more than" in error["message"], error
+    finally:
+        stop.set()
+        prober.join(10)
+    assert time.monotonic() - started < 20
+    assert health and all(status == 200 for status, _ in health), health
+    assert max(seconds for _, seconds in health) < 2.0, health
+
+
+def test_slow_work_inside_a_parse_runs_on_a_worker_thread():
+    # what tokenize() and parse_spec() do with long texts inside the server's request parsing
+    calls: list[str] = []
+
+    def work(value: int) -> int:
+        calls.append(threading.current_thread().name)
+        if value < 0:
+            raise ValueError("negative")
+        return value * 2
+
+    def parse(value: int) -> int:
+        return off_loop(("double", value), lambda: work(value)) + 1
+
+    assert parse(3) == 7 and calls == [threading.current_thread().name]  # outside: inline
+    calls.clear()
+    assert asyncio.run(parse_off_loop(lambda: parse(4))) == 9
+    assert len(calls) == 1 and calls[0].startswith("weft-off-loop")
+    with pytest.raises(ValueError, match="negative"):
+        asyncio.run(parse_off_loop(lambda: parse(-1)))

@@ -12,6 +12,9 @@ scheduler had died.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import functools
 import itertools
 import logging
 import signal
@@ -26,6 +29,7 @@ import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
+from weft.grammars.spec import off_loop
 from weft.runtime.core import check_rid
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
@@ -44,6 +48,8 @@ QUERY_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 5.0  # no scheduler heartbeat (sent every second) this long: frozen
 STALL_HEALTH_S = 30.0  # requests pending and no scheduler step this long: /health fails
 WATCHDOG_CHECK_S = 1.0
+INLINE_TOKENIZE_CHARS = 16 * 1024  # longer texts are tokenized off the event loop
+TRIM_AFTER_CHARS = 1 << 20  # after tokenizing a text this long, give the freed memory back
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
@@ -265,12 +271,47 @@ class TokenizerManager:
     def tokenize(
         self, text: str, param: str = "text", add_special_tokens: bool = True
     ) -> list[int]:
-        """Special-token strings in the text (a rendered chat template) become special tokens."""
-        if self.tokenizer is None:
+        """Special-token strings in the text (a rendered chat template) become special tokens.
+
+        A text that cannot fit is refused before any tokenizing; inside `parse_off_loop`, a long
+        one is tokenized on a worker thread (the tokenizer releases the GIL): a 16 MB prompt
+        once held the event loop, /health and every stream with it, for 26 s."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             raise bad_request("this model has no tokenizer: send input_ids instead of text", param)
         if not text:
             raise bad_request(f"{param} is empty", param)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if len(text) > self.max_prompt_chars:
+            raise ApiError(
+                f"{param} is too long: {len(text)} characters can only make more than "
+                f"{self.max_prompt_tokens} tokens (the most a prompt may have here), since no "
+                f"token of this model is longer than {self._token_chars} characters",
+                400,
+                param=param,
+                code="context_length_exceeded",
+            )
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        key = ("tokenize", text, add_special_tokens)
+        return off_loop(key, lambda: _encode_and_trim(tokenizer, text, add_special_tokens))
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        limit = self.config.max_prompt_tokens
+        context = self.info.context_length - 1  # the prompt and one new token must fit
+        return context if limit is None else min(limit, context)
+
+    @functools.cached_property
+    def _token_chars(self) -> int:
+        """The most characters one token stands for (the longest token string, special
+        tokens included, plus a margin for a normalizer's added prefix)."""
+        assert self.tokenizer is not None
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return max(len(t) for t in tokens if t is not None) + 1
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_prompt_tokens * self._token_chars
 
     def token_text(self, tid: int) -> str:
         """The text a token adds after other text (for logprobs).
@@ -673,6 +714,20 @@ def scheduler_liveness(
     else:
         why = None
     return why, max(silent_s, stuck_s if pending else 0.0)
+
+
+def _encode_and_trim(
+    tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool
+) -> list[int]:
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    if len(text) >= TRIM_AFTER_CHARS:
+        _malloc_trim()  # NOTE: glibc keeps the tokenizer's freed arenas (180 MiB once) otherwise
+    return ids
+
+
+def _malloc_trim() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _exit_status(code: int | None) -> str:
