@@ -9,6 +9,7 @@ that would block runs its body on a daemon thread joined with a timeout.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
-from weft.grammars.manager import GrammarError, GrammarManager
+from weft.grammars.manager import COMPILE_WORKERS, GrammarError, GrammarManager
 from weft.grammars.no_grammar import AnyTextMatcher
 from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
@@ -26,14 +27,18 @@ TINY_VOCAB = TokenVocab([b"a", b"b", None], [2], "byte_level")
 
 
 class ScriptedBackend(GrammarBackend):
-    """Compiles a regex spec to its text. A spec listed in `gates` runs until its event is set;
-    one in `unsupported` is refused. Records which compiles started, and the most at once."""
+    """Compiles a regex spec to its text in `hold_s` seconds. A spec listed in `gates` runs
+    until its event is set; one in `unsupported` is refused. Records which compiles started,
+    and the most running at once."""
 
     name = "none"
 
-    def __init__(self, gates: dict[str, threading.Event] | None = None) -> None:
+    def __init__(
+        self, gates: dict[str, threading.Event] | None = None, hold_s: float = 0.0
+    ) -> None:
         super().__init__(TINY_VOCAB)
         self.gates = gates or {}
+        self.hold_s = hold_s
         self.unsupported: set[str] = set()
         self.started: list[str] = []
         self.running = 0
@@ -50,6 +55,7 @@ class ScriptedBackend(GrammarBackend):
             gate = self.gates.get(spec.text)
             if gate is not None:
                 assert gate.wait(DEADLINE_S), f"{spec.text} was never released"
+            time.sleep(self.hold_s)
             if spec.text in self.unsupported:
                 raise GrammarUnsupported(f"{spec.text} is not supported")
             return f"compiled {spec.text}"
@@ -174,3 +180,68 @@ def test_identical_specs_in_flight_compile_once():
     assert grammars == ["compiled a+", "compiled a+"]
     assert backend.started == ["a+"]
     assert manager._inflight == {}
+
+
+def test_at_most_compile_workers_specs_compile_at_once():
+    names = [f"s{i}" for i in range(COMPILE_WORKERS + 3)]
+    gates = {name: threading.Event() for name in names}
+    backend = ScriptedBackend(gates)
+    manager = _manager(backend)
+    try:
+        futures = [manager.submit(_spec(name)) for name in names]
+        backend.wait_started(COMPILE_WORKERS)
+        time.sleep(0.2)  # time for a compile past the bound to start, were it to
+        assert backend.started == names[:COMPILE_WORKERS]
+        for done, name in enumerate(names):  # each end lets the next spec in line start
+            gates[name].set()
+            backend.wait_started(min(COMPILE_WORKERS + done + 1, len(names)))
+        grammars = [f.result(DEADLINE_S).grammar for f in futures]
+    finally:
+        for gate in gates.values():
+            gate.set()
+        manager.shutdown()
+    assert grammars == [f"compiled {name}" for name in names]
+    assert backend.started == names  # first come, first compiled
+    assert backend.most_running == COMPILE_WORKERS
+
+
+def test_the_timeout_counts_from_the_compiles_start_not_from_its_queueing():
+    # each compile takes 0.4 s of a 1 s timeout; the last specs wait 1.2 s for a worker
+    names = [f"s{i}" for i in range(4 * COMPILE_WORKERS)]
+    backend = ScriptedBackend(hold_s=0.4)
+    manager = _manager(backend, timeout_s=1.0)
+    try:
+        futures = [manager.submit(_spec(name)) for name in names]
+        compiled = [f.result(DEADLINE_S) for f in futures]
+    finally:
+        manager.shutdown()
+    assert [(c.grammar, c.refused) for c in compiled] == [(f"compiled {n}", []) for n in names]
+    assert backend.most_running == COMPILE_WORKERS
+
+
+def test_compiles_past_the_timeout_keep_no_spec_waiting_and_are_cached_when_they_end():
+    stuck = [f"stuck{i}" for i in range(COMPILE_WORKERS)]
+    gates = {name: threading.Event() for name in stuck}
+    backend = ScriptedBackend(gates)
+    manager = _manager(backend, timeout_s=0.3)
+    try:
+        # every chain worker gives up on a compile that goes on running on its compile thread
+        for future in [manager.submit(_spec(name)) for name in stuck]:
+            with pytest.raises(GrammarError, match=r": none: compile timed out after 0.3 s$"):
+                future.result(DEADLINE_S)
+        assert backend.running == COMPILE_WORKERS
+        # a spare compile thread takes the next spec at once
+        assert manager.submit(_spec("a+")).result(DEADLINE_S).grammar == "compiled a+"
+        for gate in gates.values():
+            gate.set()
+        deadline = time.monotonic() + DEADLINE_S
+        while manager._inflight:  # the late results go to the cache
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        late = _within_deadline(lambda: manager.compile(_spec(stuck[0])))
+    finally:
+        for gate in gates.values():
+            gate.set()
+        manager.shutdown()
+    assert (late.grammar, late.refused) == (f"compiled {stuck[0]}", [])
+    assert backend.started == [*stuck, "a+"]
