@@ -203,6 +203,11 @@ class GrammarManager:
         self._vocab_factory = vocab_factory
         self._vocab: TokenVocab | None = None
         self._backends: dict[str, GrammarBackend | Exception] = {}
+        # NOTE: two locks. `_build_lock` is held while the vocabulary and the backends are
+        # built (seconds, in code that is not ours); `_lock` guards the cache and the compiles
+        # in flight and is held only to read and update them and to queue a compile: no future
+        # is waited on, nor a callback added, under it (a compile's done-callback takes it).
+        self._build_lock = threading.Lock()
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
         self._inflight: dict[tuple[str, str, str], Future[Any]] = {}
@@ -223,7 +228,7 @@ class GrammarManager:
 
     @property
     def vocab(self) -> TokenVocab:
-        with self._lock:
+        with self._build_lock:
             if self._vocab is None:
                 self._vocab = self._vocab_factory()
             return self._vocab
@@ -299,8 +304,8 @@ class GrammarManager:
                     self._cache.popitem(last=False)
 
     def _backend(self, name: str) -> GrammarBackend | Exception:
-        vocab = self.vocab
-        with self._lock:
+        vocab = self.vocab  # NOTE: before taking _build_lock, which `vocab` takes too
+        with self._build_lock:
             backend = self._backends.get(name)
             if backend is None:
                 try:

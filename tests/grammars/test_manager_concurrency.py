@@ -245,3 +245,28 @@ def test_compiles_past_the_timeout_keep_no_spec_waiting_and_are_cached_when_they
         manager.shutdown()
     assert (late.grammar, late.refused) == (f"compiled {stuck[0]}", [])
     assert backend.started == [*stuck, "a+"]
+
+
+def test_a_vocabulary_being_built_holds_up_no_cache_lookup_nor_finished_compile():
+    building, release = threading.Event(), threading.Event()
+
+    def slow_vocab() -> TokenVocab:
+        building.set()
+        assert release.wait(DEADLINE_S)
+        return TINY_VOCAB
+
+    backend = ScriptedBackend()
+    manager = GrammarManager(slow_vocab, order=["none"])
+    manager._backends["none"] = backend
+    builder = threading.Thread(target=lambda: manager.vocab, daemon=True)
+    builder.start()
+    try:
+        assert building.wait(DEADLINE_S)
+        for _ in range(2):  # compiled and stored, then found in the cache
+            grammar = _within_deadline(lambda: manager._compile_cached(backend, _spec("a+")))
+            assert grammar == "compiled a+"
+    finally:
+        release.set()
+        builder.join(DEADLINE_S)
+        manager.shutdown()
+    assert backend.started == ["a+"]
