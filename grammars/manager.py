@@ -63,6 +63,9 @@ class DaemonPool:
     """
 
     def __init__(self, workers: int, name: str) -> None:
+        self.name = name
+        self._closed = False
+        self._lock = threading.Lock()  # orders `submit` against `shutdown`
         self._jobs: queue.SimpleQueue[
             tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
         ]
@@ -75,8 +78,15 @@ class DaemonPool:
             thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """A future of fn(*args); after `shutdown`, one that fails at once (no worker is left
+        to run it, and a waiter must not wait forever)."""
         future: Future[Any] = Future()
-        self._jobs.put((future, fn, args))
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._jobs.put((future, fn, args))
+        if closed:
+            future.set_exception(RuntimeError(f"the {self.name} pool is shut down"))
         return future
 
     def _work(self) -> None:
@@ -93,8 +103,11 @@ class DaemonPool:
                 future.set_exception(exc)
 
     def shutdown(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
+        """The jobs submitted so far still run; then the threads end."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.put(None)
 
 
 class GrammarError(Exception):

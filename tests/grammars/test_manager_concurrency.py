@@ -270,3 +270,10 @@ def test_a_vocabulary_being_built_holds_up_no_cache_lookup_nor_finished_compile(
         builder.join(DEADLINE_S)
         manager.shutdown()
     assert backend.started == ["a+"]
+
+
+def test_a_spec_submitted_after_shutdown_fails_at_once():
+    manager = _manager(ScriptedBackend())
+    manager.shutdown()
+    with pytest.raises(RuntimeError, match=r"^the weft-grammar-chain pool is shut down$"):
+        manager.submit(_spec("a+")).result(DEADLINE_S)
