@@ -65,3 +65,27 @@ def _audit_kv_integrity():
 def pytest_sessionfinish(session, exitstatus):
     for engine in _LIVE_ENGINES:
         engine.shutdown()
+
+
+# ---- parts of the suite (.ci/gpu-tests runs it in parts that each fit a time limit) --------
+
+
+def pytest_collection_modifyitems(config, items):
+    """WEFT_TEST_PART=K/N keeps part K of N: whole modules (module-scoped servers start once),
+    dealt greedily by test count, largest module first, so the parts come out near equal."""
+    part = os.environ.get("WEFT_TEST_PART", "1/1")
+    k, n = (int(x) for x in part.split("/"))
+    if n == 1:
+        return
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"WEFT_TEST_PART={part}: K must be in [1, N]")
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
+    loads, owner = [0] * n, {}
+    for module in sorted(counts, key=lambda m: (-counts[m], m)):
+        owner[module] = min(range(n), key=lambda i: loads[i])
+        loads[owner[module]] += counts[module]
+    mine = [owner[i.nodeid.split("::")[0]] == k - 1 for i in items]
+    config.hook.pytest_deselected(items=[i for i, m in zip(items, mine, strict=True) if not m])
+    items[:] = [i for i, m in zip(items, mine, strict=True) if m]
