@@ -12,6 +12,7 @@ the safetensors files, so peak memory stays near one chunk, not one model.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -39,7 +40,8 @@ MARKER = "weft-converted.json"
 SHARD_BYTES = 2 * 1024**3
 # Bump when the output layout changes, so older cache folders are rebuilt.
 # 2: control and unused (padding) tokens are special in the saved tokenizer.
-_FORMAT_VERSION = 2
+# 3: the tokenizer adds BOS exactly as the GGUF's add_bos_token says.
+_FORMAT_VERSION = 3
 _CHUNK_BYTES = 64 << 20
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # Token types that are no text: control tokens (<|im_end|>) and unused padding ("[PAD151665]").
@@ -99,6 +101,7 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) ->
     reader = _open_reader(src)
     config, entries = _plan(reader, src, dtype)
     template = _meta(reader, "tokenizer.chat_template", src, None)
+    add_bos = _meta(reader, "tokenizer.ggml.add_bos_token", src, None)
     specials = _special_tokens(reader)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -108,7 +111,7 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) ->
         _write_json(tmp / "generation_config.json", _generation_config(config))
         _write_weights(tmp, entries, dtype, desc=f"converting {src.name}")
         del reader, entries  # release the file mapping; the tokenizer step reads the file itself
-        _save_tokenizer(src, tmp, template, specials)
+        _save_tokenizer(src, tmp, template, specials, add_bos)
         _write_json(tmp / MARKER, marker)
         _publish(tmp, out, marker)
     finally:
@@ -585,7 +588,11 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save_tokenizer(
-    src: Path, folder: Path, template: str | None, specials: dict[int, str]
+    src: Path,
+    folder: Path,
+    template: str | None,
+    specials: dict[int, str],
+    add_bos: bool | None = None,
 ) -> None:
     """Build the tokenizer from the GGUF through transformers and save it to `folder`.
 
@@ -615,4 +622,36 @@ def _save_tokenizer(
     if template:
         # transformers maps it already; set it again so a mapping change cannot drop it.
         tok.chat_template = template  # saved as chat_template.jinja
+    if add_bos is not None:
+        _pin_bos(tok, bool(add_bos), src)
     tok.save_pretrained(str(folder))
+
+
+def _pin_bos(tok: Any, add_bos: bool, src: Path) -> None:
+    """Make the tokenizer add BOS exactly as the GGUF says.
+
+    NOTE: transformers 5.17 built a Llama GGUF's tokenizer without BOS although the file says
+    add_bos_token (5.24 adds it): prompts then lacked the BOS the model was trained with.
+    """
+    bos, bos_id = tok.bos_token, tok.bos_token_id
+    if not add_bos or bos is None or bos_id is None:
+        return
+    if _adds_bos(tok, bos_id):
+        return
+    with contextlib.suppress(AttributeError, ValueError):
+        tok.add_bos_token = True  # transformers' own switch (it rebuilds the post-processor)
+    if not _adds_bos(tok, bos_id):
+        from tokenizers import processors
+
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, bos_id)],
+        )
+    if not _adds_bos(tok, bos_id):
+        raise ValueError(f"cannot make the tokenizer of {src} add its BOS token {bos!r}")
+
+
+def _adds_bos(tok: Any, bos_id: int) -> bool:
+    ids = tok.encode("a")
+    return bool(ids) and ids[0] == bos_id
