@@ -253,9 +253,11 @@ def test_a_full_queue_is_refused_with_retry_after(server):
 
 
 def test_a_request_past_its_timeout_is_a_504(server):
-    started = time.monotonic()
-    r = server.post("/generate", {"input_ids": [1, 5, 9], "sampling_params": LONG})
-    took = time.monotonic() - started
+    # NOTE: paused, so that the request cannot finish in time (on a GPU, CAP tokens took 2.6 s)
+    with server.scheduler_paused():
+        started = time.monotonic()
+        r = server.post("/generate", {"input_ids": [1, 5, 9], "sampling_params": LONG})
+        took = time.monotonic() - started
     error = refused(r, 504, None, "--request-timeout", f"{TIMEOUT_S:g} s")
     assert error["code"] == "request_timeout"
     assert TIMEOUT_S <= took < TIMEOUT_S + 8, took

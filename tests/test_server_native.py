@@ -258,7 +258,9 @@ def test_client_gone_before_a_non_stream_answer_aborts_it(server):
         "input_ids": [[1, 403, 407, k] for k in range(8)],
         "sampling_params": {"max_new_tokens": 480, "ignore_eos": True},
     }
-    with pytest.raises(requests.exceptions.ReadTimeout):
+    # NOTE: paused, so that the answer cannot come before the client leaves (on a GPU the 8
+    # requests took less than the 0.5 s)
+    with server.scheduler_paused(), pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(server.url + "/generate", json=body, timeout=0.5)
     # the server notices within a second and aborts all 8
     info = server.assert_kv_intact()
