@@ -1,0 +1,84 @@
+"""Server start time: launch `weft serve` until its ready line, several times, and split the time
+into its parts as the server's log reports them (model load, CUDA graph capture, the rest).
+
+    python benchmarks/bench_startup.py --model-path M [--repeats 3] [-- extra serve flags]
+
+Prints the device, then per configuration the median time to ready and its parts; the baseline
+in the same run is the same server with --disable-cuda-graph. The first launch also pays cold
+caches (Triton's kernel cache, the page cache): it is reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from common import describe_device
+
+READY = re.compile(r"weft: ready, serving")
+PARTS = {
+    "graphs": re.compile(r"captured CUDA graphs .* in ([0-9.]+) s"),
+    "scheduler": re.compile(r"scheduler ready in ([0-9.]+) s"),
+}
+
+
+def launch(args: list[str]) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "weft.launch_server", "--port", "0", "--log-level", "info"]
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [*cmd, "--no-show-progress", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out: dict[str, float] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        for name, pattern in PARTS.items():
+            match = pattern.search(line)
+            if match:
+                out[name] = float(match.group(1))
+        if READY.search(line):
+            out["ready"] = time.perf_counter() - started
+            break
+    proc.terminate()
+    proc.wait(30)
+    if "ready" not in out:
+        raise RuntimeError(f"the server did not start: {' '.join(cmd + args)}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("extra", nargs="*", help="more serve flags (after --)")
+    args = parser.parse_args()
+    base = ["--model-path", args.model_path, *args.extra]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device: {describe_device(device)}; model: {args.model_path}; serve flags: {args.extra}")
+    first = launch(base)
+    print(f"first launch (cold caches): ready in {first['ready']:.1f} s {first}")
+    results = {}
+    for label, flags in [("default", []), ("--disable-cuda-graph", ["--disable-cuda-graph"])]:
+        runs = [launch(base + flags) for _ in range(args.repeats)]
+        results[label] = {
+            key: statistics.median(r.get(key, 0.0) for r in runs)
+            for key in ("ready", "scheduler", "graphs")
+        }
+    print(f"{'config':24} {'ready s':>8} {'scheduler s':>12} {'graphs s':>9}")
+    for label, r in results.items():
+        print(f"{label:24} {r['ready']:8.2f} {r['scheduler']:12.2f} {r['graphs']:9.2f}")
+    base_ready = results["--disable-cuda-graph"]["ready"]
+    ratio = results["default"]["ready"] / base_ready
+    print(f"default / --disable-cuda-graph time to ready: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
