@@ -33,6 +33,14 @@ def stories_dir() -> Path:
     return fixture_path("models", "stories260K-hf")
 
 
+@pytest.fixture(scope="module", params=["plain", "overlap"])
+def schedule(request) -> str:
+    """The server modules that exercise aborts, disconnects, timeouts, n > 1, logprobs and
+    grammars run under both schedules: the overlap one is the default on CUDA only, where CI
+    never runs (see `server_utils.schedule_args`)."""
+    return request.param
+
+
 # ---- engines: built once per module, audited after every test ----------------------------
 
 _LIVE_ENGINES: list = []

@@ -30,6 +30,13 @@ def stories_args(stories_dir: Any, *extra: str) -> list[str]:
     return ["--model-path", str(stories_dir), "--max-total-tokens", "4096", *extra]
 
 
+def schedule_args(schedule: str) -> list[str]:
+    """Serve flags for a schedule ("plain" or "overlap"), on any device."""
+    return {"plain": ["--disable-overlap-schedule"], "overlap": ["--enable-overlap-schedule"]}[
+        schedule
+    ]
+
+
 class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         cmd = [

@@ -18,7 +18,7 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.sampling_params import SamplingParams
 
 from conftest import make_engine
-from server_utils import ServerProcess, stories_args
+from server_utils import ServerProcess, schedule_args, stories_args
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 MAX_PROMPT = 1000
@@ -31,9 +31,9 @@ LONG = {"max_new_tokens": CAP, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir):
+def server(stories_dir, schedule):
     srv = ServerProcess(
-        *stories_args(stories_dir),
+        *stories_args(stories_dir, *schedule_args(schedule)),
         "--context-length",
         "4096",
         "--served-model-name",

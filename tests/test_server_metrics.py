@@ -19,7 +19,7 @@ from weft.runtime.server.request_log import RequestLog, request_record
 from weft.runtime.server.tokenizer_manager import ReqState, Sample
 from weft.runtime.server_config import ServerConfig
 
-from server_utils import ServerProcess, stories_args
+from server_utils import ServerProcess, schedule_args, stories_args
 
 LOG_FIELDS = {
     "time",
@@ -43,14 +43,14 @@ E2E = "weft:e2e_request_latency_seconds"
 
 
 @pytest.fixture(scope="module")
-def log_path(tmp_path_factory):
-    return tmp_path_factory.mktemp("request-log") / "requests.jsonl"
+def log_path(tmp_path_factory, schedule):
+    return tmp_path_factory.mktemp(f"request-log-{schedule}") / "requests.jsonl"
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, log_path):
+def server(stories_dir, log_path, schedule):
     srv = ServerProcess(
-        *stories_args(stories_dir),
+        *stories_args(stories_dir, *schedule_args(schedule)),
         "--enable-metrics",
         "--request-log",
         str(log_path),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server_utils import ServerProcess
+from server_utils import ServerProcess, schedule_args, stories_args
 
 PROMPT = "Once upon a time"
 # stories260K has no chat template of its own: --chat-template gives it one
@@ -14,12 +14,9 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content
 
 
 @pytest.fixture(scope="module")
-def stories(stories_dir):
+def stories(stories_dir, schedule):
     srv = ServerProcess(
-        "--model-path",
-        str(stories_dir),
-        "--max-total-tokens",
-        "4096",
+        *stories_args(stories_dir, *schedule_args(schedule)),
         "--served-model-name",
         "stories",
         "--chat-template",
