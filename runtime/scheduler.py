@@ -42,6 +42,7 @@ PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at on
 SMALL_CHUNK = 2048  # default prompt tokens per step (CPUs, small GPUs)
 LARGE_CHUNK = 8192  # ... on GPUs of at least LARGE_CHUNK_MIN_BYTES
 LARGE_CHUNK_MIN_BYTES = 35 * 2**30
+GRAMMAR_QUEUE_SLACK_S = 30.0  # beyond the compile timeouts, a request's wait for its grammar
 IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens with one admitted
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -190,7 +191,16 @@ class Scheduler:
         return self._grammars
 
     def _poll_grammars(self) -> None:
-        """Move requests whose grammar is ready to the waiting queue (or fail them)."""
+        """Move requests whose grammar is ready to the waiting queue (or fail them); a request
+        that waited past `grammar_wait_limit_s` fails (a 503: the compiles are backed up)."""
+        limit = self.grammar_wait_limit_s
+        now = time.perf_counter()
+        for req in [r for r in self.grammar_wait if now - r.created > limit]:
+            if not req.grammar_future.done():
+                self.grammar_wait.remove(req)
+                req.grammar_future = None
+                message = f"the request's grammar did not compile within {limit:g} s"
+                self._fail(req, message + " (the grammar compiles are backed up)", status=503)
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
             self.grammar_wait.remove(req)
             try:
@@ -204,6 +214,16 @@ class Scheduler:
             finally:
                 req.grammar_future = None
             self.waiting.append(req)
+
+    @property
+    def grammar_wait_limit_s(self) -> float:
+        """How long a request may wait for its grammar: every backend of the chain at its compile
+        timeout, plus GRAMMAR_QUEUE_SLACK_S in the compile queue.
+
+        NOTE: a compile future that never resolves (a deadlocked grammar worker once held 31
+        requests forever) must not hold a request without bound."""
+        backends = len(self.config.grammar_backends)
+        return backends * self.config.grammar_compile_timeout + GRAMMAR_QUEUE_SLACK_S
 
     def _wait_for_grammars(self, timeout_s: float = 0.01) -> None:
         """Nothing to run but compiles in flight: block briefly instead of spinning."""

@@ -34,9 +34,7 @@ def plain(stories_dir):
 @pytest.fixture(scope="module")
 def overlap(stories_dir):
     """The overlap schedule forced on (the default on CUDA): a failing token was fed already."""
-    engine = make_engine(stories_dir, max_total_tokens=4096)
-    engine.scheduler.overlap = True
-    return engine
+    return make_engine(stories_dir, max_total_tokens=4096, enable_overlap_schedule=True)
 
 
 def _break(engine, monkeypatch, regex: str, method: str, after: int) -> list[int]:
@@ -124,3 +122,26 @@ def test_a_raising_batched_fill_finds_the_culprits(plain, monkeypatch):
     _assert_failed(outs[0], "can_end")
     _assert_failed(outs[2], "can_end")
     _assert_fine(plain, [outs[1], outs[3]], [HEALTHY, None])
+
+
+def test_a_grammar_that_never_compiles_fails_its_request_in_bounded_time(plain, monkeypatch):
+    # a compile future that never resolves (a deadlocked grammar worker once held 31 requests
+    # forever): the request fails once it has waited the chain's timeouts plus a slack
+    from concurrent.futures import Future
+
+    from weft.runtime import scheduler as scheduler_module
+
+    never: Future = Future()
+    grammars = plain.call(lambda: plain.scheduler.grammars)
+    monkeypatch.setattr(grammars, "submit_field", lambda *args, **kwargs: never)
+    monkeypatch.setattr(scheduler_module, "GRAMMAR_QUEUE_SLACK_S", 0.5)
+    config = plain.scheduler.config
+    plain.scheduler.config = config.replace(grammar_compile_timeout=0.1)
+    try:
+        limit = plain.scheduler.grammar_wait_limit_s
+        assert limit == pytest.approx(len(config.grammar_backends) * 0.1 + 0.5)
+        with pytest.raises(RuntimeError, match=f"did not compile within {limit:g} s"):
+            plain.generate(PROMPT, {**PARAMS, "regex": HEALTHY})
+    finally:
+        plain.scheduler.config = config
+    assert plain.generate(PROMPT, PARAMS)["meta_info"]["finish_reason"]["type"] == "length"
