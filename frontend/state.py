@@ -181,7 +181,11 @@ class ProgramState:
             raise ValueError(f"fork(n) needs n >= 1, got {n}")
         children = [ProgramState(self._ctx) for _ in range(n)]
         for c in children:
+            # each child drains from now on: it waits for the fork point, then runs what was
+            # added to it, so reading a child (even an empty one) waits for the fork, and a
+            # failed fork fails every child
             c._ready = self._ctx.loop.create_future()
+            c._task = self._ctx.loop.create_task(c._drain())
         self._push([_ForkPoint(children)])
         return ForkGroup(self, children)
 
@@ -288,8 +292,11 @@ class ProgramState:
             if self._ready is not None:
                 await self._ready
             while self._pending:
-                node = self._pending.popleft()
+                # NOTE: a node leaves the queue only once it has run: a fork point that fails is
+                # still queued below, and its children must hear of it or they wait forever.
+                node = self._pending[0]
                 await getattr(self, "_run_" + type(node).__name__.lstrip("_"))(node)
+                self._pending.popleft()
         except BaseException as exc:  # kept on the state; readers raise it
             self._error = exc
             for node in self._pending:
