@@ -77,9 +77,16 @@ class RunContext:
             s._wake.set()
 
     async def wait_all(self) -> None:
-        """Until every state of the run (forks included) has drained; the first error raises."""
+        """Until every state of the run (forks included) has drained; then the first error
+        raises. NOTE: all settle first, so no state's task is left pending on the loop."""
+        first: Exception | None = None
         for s in list(self.states):
-            await s.wait()
+            try:
+                await s.wait()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     async def request(
         self, kind: str, label: str, prompt: str | list[Message], params: dict[str, Any], aw: Any

@@ -12,6 +12,7 @@ import pytest
 from fake_backend import FakeBackend
 
 import weft
+from weft.frontend.backend import GenResult
 from weft.frontend.state import ProgramError, ProgramState
 
 from conftest import fixture_path, make_engine
@@ -96,6 +97,32 @@ def test_run_raises_the_fork_error_once_every_fork_settled(engine):
         _within(30, lambda: prog.run(backend=engine))
     assert [f.error for f in forks] == [raised.value] * 2
     assert asyncio.all_tasks(forks[0]._ctx.loop) == set()
+
+
+class _SlowCopy(FakeBackend):
+    """Fails "bad" at once; answers "slow" only after a while."""
+
+    async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
+        if prompt.endswith("slow"):
+            await asyncio.sleep(0.2)
+        return await super().generate(prompt, params)
+
+
+def test_a_failed_state_raises_only_after_the_other_states_of_the_run_settled():
+    copies: list[ProgramState] = []
+
+    @weft.function
+    def prog(s):
+        copy = s.copy()
+        copy += "slow" + weft.gen("late")
+        copies.append(copy)
+        s += "bad" + weft.gen("a")
+
+    with pytest.raises(ProgramError, match=r"gen\('a'\) failed"):
+        _within(30, lambda: prog.run(backend=_SlowCopy(fail_on="bad")))
+    # finished, not abandoned mid-request (checked before text(), which would run the loop)
+    assert asyncio.all_tasks(copies[0]._ctx.loop) == set()
+    assert copies[0].text() == "slowok"
 
 
 def test_an_empty_fork_read_in_the_body_waits_for_its_fork_point():
