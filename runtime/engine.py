@@ -73,6 +73,7 @@ class Engine:
         self._stopped = False
         self._step_lock = threading.Lock()  # one scheduler step at a time, whichever thread
         self._foreground = 0  # callers stepping the scheduler on their own thread (see _drive)
+        self._stepper: int | None = None  # the thread inside _run_once (see _check_not_stepping)
         self._broken: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="weft-engine", daemon=True)
         self._thread.start()
@@ -96,7 +97,11 @@ class Engine:
         namespace: str = "",
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. A single prompt gives a dict (a list of n dicts if n > 1); a
-        batch gives a flat list in order, n entries per prompt."""
+        batch gives a flat list in order, n entries per prompt.
+
+        Not from the engine's own thread (inside a function given to `call`): that thread runs
+        the steps this would wait for, so it raises RuntimeError at once."""
+        self._check_not_stepping("generate")
         reqs, single = self._build(
             prompt,
             input_ids,
@@ -128,7 +133,9 @@ class Engine:
         rid: str | None = None,
         namespace: str = "",
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Awaitable generation of one prompt (a list of n dicts if n > 1)."""
+        """Awaitable generation of one prompt (a list of n dicts if n > 1). Like `generate`, not
+        from a loop on the engine's own thread."""
+        self._check_not_stepping("async_generate")
         outputs = [
             o
             async for o in self.generate_stream(
@@ -159,7 +166,9 @@ class Engine:
         final_only: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yields chunks {text (cumulative), output_ids, meta_info, index}; the last chunk of each
-        sample has meta_info.finish_reason set. Cancelling the iterator aborts the request."""
+        sample has meta_info.finish_reason set. Cancelling the iterator aborts the request.
+        Like `generate`, not from a loop on the engine's own thread."""
+        self._check_not_stepping("generate_stream")
         reqs, _ = self._build(
             prompt,
             input_ids,
@@ -208,7 +217,12 @@ class Engine:
         return bool(self.call(self.scheduler.flush_cache))
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the engine thread between steps and return its result."""
+        """Run fn on the thread that steps the scheduler, between steps, and return its result.
+
+        Called from that thread itself (inside a function given to `call`), fn runs at once,
+        inline: it is between steps already, and posting fn would wait for itself forever."""
+        if self._stepper == threading.get_ident():
+            return fn()
         box: dict[str, Any] = {}
         done = threading.Event()
         self._post("call", (fn, box, done))
@@ -370,24 +384,42 @@ class Engine:
     def _run_once(self) -> bool:
         """Handle the inbox, then run one scheduler step; False once the engine has failed."""
         with self._step_lock:
-            if self._broken is not None:
-                return False
-            with self._cv:
-                inbox, self._inbox = self._inbox, []
+            self._stepper = threading.get_ident()
             try:
-                while inbox:
-                    kind, payload = inbox.pop(0)
-                    self._handle(kind, payload)
-                if self.scheduler.has_work:
-                    for req in self.scheduler.step():
-                        self._dispatch(req)
-            except BaseException as exc:
-                logger.exception("engine step failed")
-                with self._cv:
-                    self._broken = exc
-                self._fail_all(exc, inbox)
-                return False
+                return self._step()
+            finally:
+                self._stepper = None
+
+    def _step(self) -> bool:
+        """The body of _run_once, under the step lock."""
+        if self._broken is not None:
+            return False
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        try:
+            while inbox:
+                kind, payload = inbox.pop(0)
+                self._handle(kind, payload)
+            if self.scheduler.has_work:
+                for req in self.scheduler.step():
+                    self._dispatch(req)
+        except BaseException as exc:
+            logger.exception("engine step failed")
+            with self._cv:
+                self._broken = exc
+            self._fail_all(exc, inbox)
+            return False
         return True
+
+    def _check_not_stepping(self, name: str) -> None:
+        """Refuse a blocking request from the thread that runs the steps it would wait for."""
+        if self._stepper == threading.get_ident():
+            raise RuntimeError(
+                f"Engine.{name}() was called on the engine's own thread (inside a function "
+                "given to Engine.call): it would wait for a step only this thread can run. "
+                "Call it from another thread (e.g. a concurrent.futures.ThreadPoolExecutor), "
+                "or, inside call(), use engine.scheduler directly"
+            )
 
     def _drive(self, pendings: list[_Pending]) -> None:
         """Run the steps on this (the main) thread until these requests are done.

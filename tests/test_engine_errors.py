@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import shutil
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -198,3 +204,114 @@ def test_requests_posted_before_shutdown_do_not_hang(stories_dir):
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
+
+
+# ---- the engine's own thread: what runs there must not wait for the engine ------------------
+
+OWN_THREAD = r"Engine\.{}\(\) was called on the engine's own thread"
+
+
+def _on_a_thread(seconds: float, fn: Callable[[], Any]) -> Any:
+    """fn() on another thread; fails (instead of hanging the suite) if it has not returned."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s: deadlock"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@pytest.fixture
+def own_engine(stories_dir):
+    """An engine of the test's own: one that deadlocks is shut down (after the join times out)
+    and so skipped by the after-test audit, instead of hanging it."""
+    eng = make_engine(stories_dir, max_total_tokens=1024)
+    yield eng
+    eng.shutdown()
+
+
+def test_call_inside_call_runs_inline(own_engine):
+    eng = own_engine
+    assert _on_a_thread(10, lambda: eng.call(lambda: eng.call(lambda: 7))) == 7
+    stats = _on_a_thread(10, lambda: eng.call(eng.memory_stats))
+    assert stats == eng.memory_stats()
+
+
+@pytest.mark.parametrize(
+    ("name", "request_"),
+    [
+        ("generate", lambda e: e.generate(input_ids=[1, 403])),
+        ("async_generate", lambda e: asyncio.run(e.async_generate(input_ids=[1, 403]))),
+        ("generate_stream", lambda e: asyncio.run(_first(e.generate_stream(input_ids=[1, 403])))),
+    ],
+    ids=["generate", "async_generate", "generate_stream"],
+)
+def test_generate_inside_call_fails_fast(own_engine, name, request_):
+    eng = own_engine
+    with pytest.raises(RuntimeError, match=OWN_THREAD.format(name)):
+        _on_a_thread(10, lambda: eng.call(lambda: request_(eng)))
+    out = eng.generate(input_ids=[1, 403], sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
+
+
+async def _first(chunks: Any) -> Any:
+    async for chunk in chunks:
+        return chunk
+
+
+@contextlib.contextmanager
+def _main_thread_deadline(seconds: float) -> Iterator[None]:
+    """A deadlock of the main thread raises TimeoutError there instead of hanging the suite."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still waiting after {seconds} s: deadlock")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_generate_inside_call_run_by_a_main_thread_generate_fails_fast(own_engine):
+    # A blocking generate() on the main thread steps the scheduler itself, so a call() posted
+    # meanwhile runs there, under the step lock: a generate() inside it took that lock again.
+    eng = own_engine
+    assert threading.current_thread() is threading.main_thread()
+    with eng._cv:  # the engine thread sleeps: the main thread's generate takes the call
+        eng._foreground += 1
+    caller: dict[str, Any] = {}
+
+    def post_call() -> None:
+        try:
+            eng.call(lambda: eng.generate(input_ids=[1, 403]))
+        except BaseException as exc:
+            caller["error"] = exc
+
+    poster = threading.Thread(target=post_call, daemon=True)
+    try:
+        poster.start()
+        while not eng._inbox and poster.is_alive():
+            poster.join(0.01)
+        with _main_thread_deadline(20):
+            out = eng.generate(input_ids=[1, 404], sampling_params={"max_new_tokens": 3})
+        poster.join(20)
+    finally:
+        with eng._cv:
+            eng._foreground -= 1
+            eng._cv.notify()
+    assert not poster.is_alive()
+    assert len(out["output_ids"]) == 3
+    assert isinstance(caller["error"], RuntimeError)
+    assert caller["error"].args[0].startswith("Engine.generate() was called on the engine's own")
