@@ -47,7 +47,7 @@ def sample_on_device(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     _apply_penalties(logits, reqs)
     _block_early_stop(logits, reqs, end_ids)
-    if logits.is_cuda and USE_FUSED_KERNEL and HAS_TRITON:
+    if uses_fused_kernel(logits.device):
         return _sample_fused(logits, reqs, bitmask), raw_logprobs
     if bitmask is not None:
         apply_bitmask(logits, *bitmask)
@@ -60,6 +60,12 @@ def sample_on_device(
         for j, i in enumerate(sampled_rows):
             chosen[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
     return chosen, raw_logprobs
+
+
+def uses_fused_kernel(device: torch.device) -> bool:
+    """Whether logits on `device` are sampled by the fused Triton kernel (`_sample_fused`): on
+    CUDA where Triton is installed, unless USE_FUSED_KERNEL is off."""
+    return device.type == "cuda" and USE_FUSED_KERNEL and HAS_TRITON
 
 
 def read_back(chosen: torch.Tensor, raw_logprobs: torch.Tensor | None, reqs: list[Req]) -> Sampled:
@@ -103,13 +109,13 @@ def _sample_fused(
     table[:, : len(params)] = torch.tensor(
         [[p.temperature, p.top_p, p.min_p, p.top_k] for p in params], dtype=torch.float32
     ).T
-    host = table.pin_memory().to(device, non_blocking=True)
+    host = _to_device(table, device)
     words, constrained = None, None
     if bitmask is not None:
         words, rows = bitmask
         flags = torch.zeros(len(reqs), dtype=torch.bool)
         flags[rows] = True
-        constrained = flags.pin_memory().to(device, non_blocking=True)
+        constrained = _to_device(flags, device)
     ids, _ = masked_sample(
         logits.float().contiguous(),
         words,
@@ -121,6 +127,14 @@ def _sample_fused(
         uniform,
     )
     return ids
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: pinned and copied without a sync on CUDA; on a CPU (the fused
+    path under Triton's interpreter, in tests) the tensor itself."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
