@@ -21,8 +21,9 @@ import torch
 
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import LogprobRequest, Req, check_rid
+from weft.runtime.loaders.source import resolve_source
 from weft.runtime.model_config import ModelConfig
-from weft.runtime.model_runner import ModelRunner, resolve_source
+from weft.runtime.model_runner import ModelRunner
 from weft.runtime.results import request_output
 from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from weft.runtime.scheduler import Scheduler

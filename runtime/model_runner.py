@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -14,6 +12,7 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.core import ForwardBatch
 from weft.runtime.cuda_graph import CudaGraphRunner
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool
+from weft.runtime.loaders.source import ModelSource
 from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.registry import model_class
@@ -21,49 +20,6 @@ from weft.runtime.models.registry import model_class
 logger = logging.getLogger("weft")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    folder: Path  # HF-layout folder: config.json, weights, tokenizer files
-    tokenizer_folder: Path | None
-    load_format: str  # safetensors | dummy
-    display_path: str  # what the user asked for
-
-
-def resolve_source(config: EngineConfig) -> ModelSource:
-    """Find (or build, for GGUF) the HF-layout folder the model loads from."""
-    from weft.runtime.loaders.default_model import default_cache_root
-
-    cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
-    if config.model_path is None:
-        from weft.runtime.loaders.default_model import default_model_gguf
-
-        path = default_model_gguf(cache_root)
-        display = "default:Qwen2.5-Coder-0.5B-Instruct"
-    else:
-        path = Path(config.model_path).expanduser()
-        display = config.model_path
-        if not path.exists():
-            raise FileNotFoundError(f"model_path {config.model_path!r} does not exist")
-    fmt = config.load_format
-    if path.is_file() or fmt == "gguf":
-        if fmt not in ("auto", "gguf"):
-            raise ValueError(f"load_format {fmt!r} needs a model folder, got the file {path}")
-        from weft.runtime.loaders.gguf_convert import convert_gguf
-
-        folder = convert_gguf(path, cache_root, _gguf_dtype(config))
-        fmt = "safetensors"
-    else:
-        folder = path
-        fmt = "safetensors" if fmt == "auto" else fmt
-    tok = Path(config.tokenizer_path).expanduser() if config.tokenizer_path else folder
-    has_tokenizer = (tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()
-    return ModelSource(folder, tok if has_tokenizer else None, fmt, display)
-
-
-def _gguf_dtype(config: EngineConfig) -> torch.dtype:
-    return _DTYPES.get(config.dtype, torch.bfloat16)
 
 
 def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device) -> torch.dtype:
@@ -88,6 +44,50 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} requested but CUDA is not available")
     return device
+
+
+def resolve_attention_backend(choice: str, device: torch.device) -> str:
+    """"triton" or "torch" for the configured choice: auto is Triton on CUDA where Triton is
+    installed, torch elsewhere; Triton asked for on another device is refused."""
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and _has_triton() else "torch"
+    if choice == "triton" and device.type != "cuda":
+        raise ValueError("attention_backend 'triton' needs a CUDA device")
+    return choice
+
+
+def graph_max_bs(
+    config: EngineConfig, device: torch.device, attention: AttentionBackend
+) -> int | None:
+    """The largest decode batch captured in CUDA graphs, None for no graphs: on CUDA with the
+    Triton backend only (the torch backend's decode gathers a [B, context] slot table per step,
+    too large to capture at the full context), unless disabled; cuda_graph_max_bs (default 256),
+    never past max_running_requests."""
+    if config.disable_cuda_graph or device.type != "cuda":
+        return None
+    from weft.runtime.triton_attention import TritonAttention
+
+    if not isinstance(attention, TritonAttention):
+        return None
+    return min(config.cuda_graph_max_bs or 256, config.max_running_requests)
+
+
+def gpu_pool_tokens(
+    free_bytes: int,
+    total_bytes: int,
+    mem_fraction_static: float,
+    bytes_per_token: int,
+    context_length: int,
+) -> int:
+    """KV pool tokens on a GPU: what is free now, less the (1 - mem_fraction_static) share of the
+    whole GPU kept back for activations and graphs; refused below one full-context request."""
+    budget = free_bytes - total_bytes * (1.0 - mem_fraction_static)
+    if budget <= bytes_per_token * context_length:
+        raise ValueError(
+            "not enough GPU memory for the KV cache: raise mem_fraction_static or lower "
+            "context_length"
+        )
+    return int(budget // bytes_per_token)
 
 
 class ModelRunner:
@@ -128,12 +128,7 @@ class ModelRunner:
         )
 
     def _attention_backend(self) -> AttentionBackend:
-        choice = self.config.attention_backend
-        if choice == "auto":
-            choice = "triton" if self.device.type == "cuda" and _has_triton() else "torch"
-        if choice == "triton":
-            if self.device.type != "cuda":
-                raise ValueError("attention_backend 'triton' needs a CUDA device")
+        if resolve_attention_backend(self.config.attention_backend, self.device) == "triton":
             from weft.runtime.triton_attention import TritonAttention
 
             return TritonAttention(self.kv_pool, self.req_to_token)
@@ -142,13 +137,9 @@ class ModelRunner:
     def _capture_graphs(self) -> CudaGraphRunner | None:
         """Decode graphs on CUDA with the Triton backend (the torch backend's decode gathers a
         [B, context] slot table per step, too large to capture at the full context)."""
-        if self.config.disable_cuda_graph or self.device.type != "cuda":
+        max_bs = graph_max_bs(self.config, self.device, self.attention)
+        if max_bs is None:
             return None
-        from weft.runtime.triton_attention import TritonAttention
-
-        if not isinstance(self.attention, TritonAttention):
-            return None
-        max_bs = min(self.config.cuda_graph_max_bs or 256, self.config.max_running_requests)
         graphs = CudaGraphRunner(
             self.model,
             self.attention,
@@ -191,13 +182,9 @@ class ModelRunner:
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - config.mem_fraction_static)
-            if budget <= per_token * self.context_length:
-                raise ValueError(
-                    "not enough GPU memory for the KV cache: raise mem_fraction_static or lower "
-                    "context_length"
-                )
-            return int(budget // per_token)
+            return gpu_pool_tokens(
+                free, total, config.mem_fraction_static, per_token, self.context_length
+            )
         budget_tokens = int(config.cpu_kv_cache_gb * 1e9 // per_token)
         return max(min(budget_tokens, 4 * self.context_length), 1024)
 

@@ -19,11 +19,12 @@ import zmq
 
 from weft.runtime.core import LogprobRequest, Req, child_rid
 from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, setup_child
+from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as to_detok
 from weft.runtime.messages import tokenizer_to_scheduler as from_tm
 from weft.runtime.messages.common import Fatal, Heartbeat, ModelInfo, Ready, Reply
-from weft.runtime.model_runner import ModelRunner, ModelSource
+from weft.runtime.model_runner import ModelRunner
 from weft.runtime.scheduler import Scheduler
 from weft.runtime.server_config import ServerConfig
 from weft.runtime.tokenizer import end_token_ids, load_tokenizer

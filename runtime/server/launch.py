@@ -25,23 +25,25 @@ import sys
 import time
 from multiprocessing.process import BaseProcess
 from types import FrameType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 import zmq
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from weft.runtime.detokenizer_process import run_detokenizer_process
 from weft.runtime.ipc import IpcNames, pull_socket, remove_ipc_folder, setup_logging
+from weft.runtime.loaders.source import ModelSource, resolve_source
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages.common import Fatal, ModelInfo, Ready
-from weft.runtime.model_runner import ModelSource, resolve_source
-from weft.runtime.scheduler_process import run_scheduler_process
-from weft.runtime.server.http_server import build_app
 from weft.runtime.server.middleware import load_api_keys
-from weft.runtime.server.tokenizer_manager import TokenizerManager
 from weft.runtime.server_config import ServerConfig
-from weft.runtime.tokenizer import load_tokenizer
+
+# NOTE: this module is imported before the children start, and by the children themselves
+# (their entry points below): torch, transformers and the HTTP stack are imported later, in
+# launch_server once the children are loading, and in each child's own entry point. The
+# launcher's imports (seconds) then overlap the children's instead of preceding them.
+if TYPE_CHECKING:
+    from weft.runtime.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("weft")
 
@@ -75,10 +77,10 @@ class ChildProcesses:
         # nothing measurable. Read by the children's OpenMP runtime at start (env inherited).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         targets: list[tuple[str, Any, tuple[Any, ...]]] = [
-            ("scheduler", run_scheduler_process, (config, source, ipc, me)),
+            ("scheduler", _scheduler_main, (config, source, ipc, me)),
             (
                 "detokenizer",
-                run_detokenizer_process,
+                _detokenizer_main,
                 (source.tokenizer_folder, config.log_level, ipc, me),
             ),
         ]
@@ -102,6 +104,18 @@ class ChildProcesses:
                 proc.kill()
                 proc.join()
         self.procs.clear()
+
+
+def _scheduler_main(*args: Any) -> None:
+    from weft.runtime.scheduler_process import run_scheduler_process
+
+    run_scheduler_process(*args)
+
+
+def _detokenizer_main(*args: Any) -> None:
+    from weft.runtime.detokenizer_process import run_detokenizer_process
+
+    run_detokenizer_process(*args)
 
 
 def _wait_ready(inbox: zmq.Socket, children: ChildProcesses) -> ModelInfo:
@@ -199,6 +213,10 @@ def launch_server(config: ServerConfig) -> int:
         inbox = pull_socket(ctx, ipc.tokenizer)
         children.start(config, source, ipc)
         # while the children load the model
+        from weft.runtime.server.http_server import build_app
+        from weft.runtime.server.tokenizer_manager import TokenizerManager
+        from weft.runtime.tokenizer import load_tokenizer
+
         tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
         info = _wait_ready(inbox, children)
         tm = TokenizerManager(

@@ -31,10 +31,10 @@ from transformers import PreTrainedTokenizerBase
 
 from weft.grammars.spec import off_loop
 from weft.runtime.core import check_rid
+from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.messages.common import Fatal, Heartbeat, LogprobEntry, ModelInfo, Ready, Reply
-from weft.runtime.model_runner import ModelSource
 from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from weft.runtime.server.errors import ApiError, bad_request, error_kind
 from weft.runtime.server.metrics import ServerMetrics

@@ -15,7 +15,7 @@ QWEN_END_IDS = [151643, 151645]
 def qwen_tokenizer():
     require_default_model()
     from weft.runtime.config import EngineConfig
-    from weft.runtime.model_runner import resolve_source
+    from weft.runtime.loaders.source import resolve_source
     from weft.runtime.tokenizer import load_tokenizer
 
     source = resolve_source(EngineConfig(show_progress=False))
