@@ -4,8 +4,9 @@ into its parts as the server's log reports them (model load, CUDA graph capture,
     python benchmarks/bench_startup.py --model-path M [--repeats 3] [-- extra serve flags]
 
 Prints the device, then per configuration the median time to ready and its parts; the baseline
-in the same run is the same server with --disable-cuda-graph. The first launch also pays cold
-caches (Triton's kernel cache, the page cache): it is reported apart.
+in the same run is the same server with --disable-cuda-graph, and the launcher that imports
+everything before it spawns the children (as it did until 2026-11-26). The first launch also pays
+cold caches (Triton's kernel cache, the page cache): it is reported apart.
 """
 
 from __future__ import annotations
@@ -28,8 +29,18 @@ PARTS = {
 }
 
 
-def launch(args: list[str]) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "weft.launch_server", "--port", "0", "--log-level", "info"]
+# The launcher as it was before 2026-11-26: torch, transformers and the HTTP stack imported
+# before the children are spawned (now they are imported while the children load).
+IMPORT_FIRST = (
+    "import sys; import weft.runtime.server.http_server, weft.runtime.server.tokenizer_manager, "
+    "weft.runtime.scheduler_process, weft.runtime.detokenizer_process; from weft.cli import main; "
+    "sys.exit(main(['serve', *sys.argv[1:]]))"
+)
+
+
+def launch(args: list[str], import_first: bool = False) -> dict[str, float]:
+    entry = ["-c", IMPORT_FIRST] if import_first else ["-m", "weft.launch_server"]
+    cmd = [sys.executable, *entry, "--port", "0", "--log-level", "info"]
     started = time.perf_counter()
     proc = subprocess.Popen(
         [*cmd, "--no-show-progress", *args],
@@ -66,8 +77,13 @@ def main() -> None:
     first = launch(base)
     print(f"first launch (cold caches): ready in {first['ready']:.1f} s {first}")
     results = {}
-    for label, flags in [("default", []), ("--disable-cuda-graph", ["--disable-cuda-graph"])]:
-        runs = [launch(base + flags) for _ in range(args.repeats)]
+    configs = [
+        ("default", [], False),
+        ("--disable-cuda-graph", ["--disable-cuda-graph"], False),
+        ("imports before spawn", [], True),
+    ]
+    for label, flags, import_first in configs:
+        runs = [launch(base + flags, import_first) for _ in range(args.repeats)]
         results[label] = {
             key: statistics.median(r.get(key, 0.0) for r in runs)
             for key in ("ready", "scheduler", "graphs")
@@ -75,9 +91,12 @@ def main() -> None:
     print(f"{'config':24} {'ready s':>8} {'scheduler s':>12} {'graphs s':>9}")
     for label, r in results.items():
         print(f"{label:24} {r['ready']:8.2f} {r['scheduler']:12.2f} {r['graphs']:9.2f}")
-    base_ready = results["--disable-cuda-graph"]["ready"]
-    ratio = results["default"]["ready"] / base_ready
-    print(f"default / --disable-cuda-graph time to ready: {ratio:.2f}x")
+    default = results["default"]["ready"]
+    print(
+        f"default / --disable-cuda-graph time to ready: "
+        f"{default / results['--disable-cuda-graph']['ready']:.2f}x; default / imports before "
+        f"spawn: {default / results['imports before spawn']['ready']:.2f}x"
+    )
 
 
 if __name__ == "__main__":
