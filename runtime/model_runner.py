@@ -47,8 +47,8 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_attention_backend(choice: str, device: torch.device) -> str:
-    """"triton" or "torch" for the configured choice: auto is Triton on CUDA where Triton is
-    installed, torch elsewhere; Triton asked for on another device is refused."""
+    """The attention backend ("triton" or "torch") for the configured choice: auto is Triton on
+    CUDA where Triton is installed, torch elsewhere; Triton on another device is refused."""
     if choice == "auto":
         return "triton" if device.type == "cuda" and _has_triton() else "torch"
     if choice == "triton" and device.type != "cuda":
