@@ -46,6 +46,8 @@ def _model_config(torch_dtype: str | None) -> ModelConfig:
 
 
 def test_device_choice(monkeypatch):
+    with pytest.raises(ValueError, match="device must be cpu, cuda"):
+        EngineConfig(device="gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device(EngineConfig(device="auto")) == CPU
     assert resolve_device(EngineConfig(device="cpu")) == CPU
