@@ -30,13 +30,15 @@ ROWS = [
 ]
 
 
-def _reqs(rows: list[tuple[float, int, float, float, int | None]]) -> list[Req]:
+def _reqs(
+    rows: list[tuple[float, int, float, float, int | None]], device: str | None = None
+) -> list[Req]:
     reqs = []
     for i, (temperature, top_k, top_p, min_p, seed) in enumerate(rows):
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         req = Req(f"r{i}", [1, 2, 3], params)
         if seed is not None:
-            req.generator = torch.Generator(device=SMALL_DEVICE).manual_seed(seed)
+            req.generator = torch.Generator(device=device or SMALL_DEVICE).manual_seed(seed)
         reqs.append(req)
     return reqs
 
@@ -86,7 +88,7 @@ def test_cpu_logits_never_reach_the_fused_path(monkeypatch):
         raise AssertionError("the fused path ran on CPU logits")
 
     monkeypatch.setattr(sampler, "_sample_fused", no_fused)
-    reqs = _reqs(ROWS)
+    reqs = _reqs(ROWS, device="cpu")  # generators live where the logits do
     ids, _ = sampler.sample_on_device(_logits(len(ROWS)).cpu(), reqs, frozenset())
     assert ids.shape == (len(ROWS),)
 
