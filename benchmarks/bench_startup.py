@@ -18,11 +18,16 @@ import subprocess
 import sys
 import time
 
+import requests
 import torch
 
 from common import describe_device
 
-READY = re.compile(r"weft: ready, serving")
+READY = re.compile(r"weft: ready, serving .* at (http://[^ ]+) ")
+# the first requests after the start: a prompt prefill and a few decode steps, greedy, then a
+# constrained one (kernels not compiled at start compile on them)
+FIRST = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+CONSTRAINED = {"text": "Once", "sampling_params": {"max_new_tokens": 8, "regex": "[a-z ]{1,20}"}}
 PARTS = {
     "graphs": re.compile(r"captured CUDA graphs .* in ([0-9.]+) s"),
     "scheduler": re.compile(r"scheduler ready in ([0-9.]+) s"),
@@ -55,14 +60,24 @@ def launch(args: list[str], import_first: bool = False) -> dict[str, float]:
             match = pattern.search(line)
             if match:
                 out[name] = float(match.group(1))
-        if READY.search(line):
+        ready = READY.search(line)
+        if ready:
             out["ready"] = time.perf_counter() - started
+            for name, body in [("first", FIRST), ("second", FIRST), ("constrained", CONSTRAINED)]:
+                sent = time.perf_counter()
+                requests.post(
+                    ready.group(1) + "/generate", json=body, timeout=300
+                ).raise_for_status()
+                out[name] = time.perf_counter() - sent
             break
     proc.terminate()
     proc.wait(30)
     if "ready" not in out:
         raise RuntimeError(f"the server did not start: {' '.join(cmd + args)}")
     return out
+
+
+KEYS = ("ready", "scheduler", "graphs", "first", "second", "constrained")
 
 
 def main() -> None:
@@ -84,13 +99,10 @@ def main() -> None:
     ]
     for label, flags, import_first in configs:
         runs = [launch(base + flags, import_first) for _ in range(args.repeats)]
-        results[label] = {
-            key: statistics.median(r.get(key, 0.0) for r in runs)
-            for key in ("ready", "scheduler", "graphs")
-        }
-    print(f"{'config':24} {'ready s':>8} {'scheduler s':>12} {'graphs s':>9}")
+        results[label] = {key: statistics.median(r.get(key, 0.0) for r in runs) for key in KEYS}
+    print(f"{'config':24} " + " ".join(f"{k + ' s':>13}" for k in KEYS))
     for label, r in results.items():
-        print(f"{label:24} {r['ready']:8.2f} {r['scheduler']:12.2f} {r['graphs']:9.2f}")
+        print(f"{label:24} " + " ".join(f"{r[k]:13.2f}" for k in KEYS))
     default = results["default"]["ready"]
     print(
         f"default / --disable-cuda-graph time to ready: "
