@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +21,27 @@ def fixture_path(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"test data missing: {path} (set WEFT_FIXTURES to the fixtures folder)")
     return path
+
+
+def within(seconds: float, fn: Callable[[], Any], hang: str = "hung") -> Any:
+    """fn() on a daemon thread: its result (or its exception), or a failure naming `hang` if it
+    has not returned within `seconds`: a regression to a hang fails instead of hanging the
+    suite."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s: {hang}"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def require_default_model() -> None:

@@ -8,14 +8,14 @@ import json
 import shutil
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from weft import Engine
 
-from conftest import make_engine
+from conftest import make_engine, within
 
 
 @pytest.fixture(scope="module")
@@ -211,25 +211,6 @@ def test_requests_posted_before_shutdown_do_not_hang(stories_dir):
 OWN_THREAD = r"Engine\.{}\(\) was called on the engine's own thread"
 
 
-def _on_a_thread(seconds: float, fn: Callable[[], Any]) -> Any:
-    """fn() on another thread; fails (instead of hanging the suite) if it has not returned."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"still waiting after {seconds} s: deadlock"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 @pytest.fixture
 def own_engine(stories_dir):
     """An engine of the test's own: one that deadlocks is shut down (after the join times out)
@@ -241,8 +222,8 @@ def own_engine(stories_dir):
 
 def test_call_inside_call_runs_inline(own_engine):
     eng = own_engine
-    assert _on_a_thread(10, lambda: eng.call(lambda: eng.call(lambda: 7))) == 7
-    stats = _on_a_thread(10, lambda: eng.call(eng.memory_stats))
+    assert within(10, lambda: eng.call(lambda: eng.call(lambda: 7))) == 7
+    stats = within(10, lambda: eng.call(eng.memory_stats))
     assert stats == eng.memory_stats()
 
 
@@ -258,7 +239,7 @@ def test_call_inside_call_runs_inline(own_engine):
 def test_generate_inside_call_fails_fast(own_engine, name, request_):
     eng = own_engine
     with pytest.raises(RuntimeError, match=OWN_THREAD.format(name)):
-        _on_a_thread(10, lambda: eng.call(lambda: request_(eng)))
+        within(10, lambda: eng.call(lambda: request_(eng)))
     out = eng.generate(input_ids=[1, 403], sampling_params={"max_new_tokens": 2})
     assert len(out["output_ids"]) == 2
 

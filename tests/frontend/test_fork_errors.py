@@ -4,8 +4,6 @@ context) fails every fork with that error; nothing waits forever, no task is lef
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,7 +13,7 @@ import weft
 from weft.frontend.backend import GenResult
 from weft.frontend.state import ProgramError, ProgramState
 
-from conftest import fixture_path, make_engine
+from conftest import fixture_path, make_engine, within
 
 TOO_LONG = "Once upon a time, there was a little girl named Lily. " * 60
 FAILED = r"fork\(2\) failed: prompt is too long"
@@ -26,25 +24,6 @@ def engine():
     engine = make_engine(fixture_path("models", "stories260K-hf"), max_total_tokens=4096)
     assert len(engine.tokenizer.encode(TOO_LONG)) > engine.context_length
     return engine
-
-
-def _within(seconds: float, fn: Callable[[], Any]) -> Any:
-    """fn() on a thread; fails (instead of hanging the suite) if it has not returned in time."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"still waiting after {seconds} s: hung"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 @weft.function
@@ -66,13 +45,13 @@ def forks_left_unread(s):
 
 def test_reading_a_fork_whose_warm_up_failed_raises_its_error(engine):
     with pytest.raises(ProgramError, match=FAILED):
-        _within(30, lambda: read_a_fork.run(backend=engine))
+        within(30, lambda: read_a_fork.run(backend=engine))
     with pytest.raises(ProgramError, match=FAILED):
-        _within(30, lambda: read_a_fork.run_batch([{}, {}], backend=engine))
+        within(30, lambda: read_a_fork.run_batch([{}, {}], backend=engine))
 
 
 def test_a_failed_fork_fails_every_fork_and_leaves_no_task_pending(engine):
-    states = _within(30, lambda: forks_left_unread.run_batch([{}, {}], backend=engine))
+    states = within(30, lambda: forks_left_unread.run_batch([{}, {}], backend=engine))
     for state in states:
         run = state._ctx.states  # the program's state, then its two forks
         assert len(run) == 3
@@ -94,7 +73,7 @@ def test_run_raises_the_fork_error_once_every_fork_settled(engine):
             f += weft.gen("a", max_tokens=2)
 
     with pytest.raises(ProgramError, match=FAILED) as raised:
-        _within(30, lambda: prog.run(backend=engine))
+        within(30, lambda: prog.run(backend=engine))
     assert [f.error for f in forks] == [raised.value] * 2
     assert asyncio.all_tasks(forks[0]._ctx.loop) == set()
 
@@ -119,7 +98,7 @@ def test_a_failed_state_raises_only_after_the_other_states_of_the_run_settled():
         s += "bad" + weft.gen("a")
 
     with pytest.raises(ProgramError, match=r"gen\('a'\) failed"):
-        _within(30, lambda: prog.run(backend=_SlowCopy(fail_on="bad")))
+        within(30, lambda: prog.run(backend=_SlowCopy(fail_on="bad")))
     # finished, not abandoned mid-request (checked before text(), which would run the loop)
     assert asyncio.all_tasks(copies[0]._ctx.loop) == set()
     assert copies[0].text() == "slowok"
@@ -135,7 +114,7 @@ def test_an_empty_fork_read_in_the_body_waits_for_its_fork_point():
         forks[0] += "!"
         texts.append(forks[1].text())  # nothing was added to it: the parent at the fork
 
-    _within(30, lambda: prog.run(backend=FakeBackend(replies={"name: ": "Ann"})))
+    within(30, lambda: prog.run(backend=FakeBackend(replies={"name: ": "Ann"})))
     assert texts == ["name: Ann"]
 
 
@@ -152,5 +131,5 @@ def test_an_empty_fork_of_a_failed_fork_raises_its_error():
             seen.append(exc)
 
     with pytest.raises(ProgramError, match=r"fork\(2\) failed: HTTP 400 from /generate") as e:
-        _within(30, lambda: prog.run(backend=FakeBackend(fail_on="prefix")))
+        within(30, lambda: prog.run(backend=FakeBackend(fail_on="prefix")))
     assert seen == [e.value]

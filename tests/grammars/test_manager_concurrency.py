@@ -22,6 +22,8 @@ from weft.grammars.no_grammar import AnyTextMatcher
 from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
+from conftest import within
+
 DEADLINE_S = 10.0  # far past anything a passing test waits for
 TINY_VOCAB = TokenVocab([b"a", b"b", None], [2], "byte_level")
 
@@ -114,25 +116,6 @@ def _spec(name: str) -> GrammarSpec:
     return GrammarSpec("regex", name)
 
 
-def _within_deadline(body: Callable[[], Any]) -> Any:
-    """body() on a daemon thread: its result, or a failure (not a hung suite) if it blocks."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = body()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(DEADLINE_S)
-    assert not thread.is_alive(), "deadlocked: the body did not return"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
 def test_a_compile_finished_before_its_callback_is_added_does_not_deadlock():
     # the compile is done when _compile_cached adds its done-callback, which then runs at once
     # on the same thread: it must not take a lock that thread already holds
@@ -140,8 +123,8 @@ def test_a_compile_finished_before_its_callback_is_added_does_not_deadlock():
     manager = _manager(backend)
     manager._compiles = InlinePool()
     try:
-        first = _within_deadline(lambda: manager.compile(_spec("a+")))
-        second = _within_deadline(lambda: manager.compile(_spec("a+")))
+        first = within(DEADLINE_S, lambda: manager.compile(_spec("a+")))
+        second = within(DEADLINE_S, lambda: manager.compile(_spec("a+")))
     finally:
         manager.shutdown()
     assert (first.grammar, second.grammar) == ("compiled a+", "compiled a+")
@@ -158,7 +141,7 @@ def test_a_refusal_is_cached_like_a_grammar(inline):
     try:
         for _ in range(2):
             with pytest.raises(GrammarError, match=r"^cannot compile the regex: none: b\+ is not"):
-                _within_deadline(lambda: manager.compile(_spec("b+")))
+                within(DEADLINE_S, lambda: manager.compile(_spec("b+")))
     finally:
         manager.shutdown()
     assert backend.started == ["b+"]
@@ -238,7 +221,7 @@ def test_compiles_past_the_timeout_keep_no_spec_waiting_and_are_cached_when_they
         while manager._inflight:  # the late results go to the cache
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        late = _within_deadline(lambda: manager.compile(_spec(stuck[0])))
+        late = within(DEADLINE_S, lambda: manager.compile(_spec(stuck[0])))
     finally:
         for gate in gates.values():
             gate.set()
@@ -263,7 +246,7 @@ def test_a_vocabulary_being_built_holds_up_no_cache_lookup_nor_finished_compile(
     try:
         assert building.wait(DEADLINE_S)
         for _ in range(2):  # compiled and stored, then found in the cache
-            grammar = _within_deadline(lambda: manager._compile_cached(backend, _spec("a+")))
+            grammar = within(DEADLINE_S, lambda: manager._compile_cached(backend, _spec("a+")))
             assert grammar == "compiled a+"
     finally:
         release.set()
