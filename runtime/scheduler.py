@@ -198,7 +198,7 @@ class Scheduler:
         for req in [r for r in self.grammar_wait if now - r.created > limit]:
             if not req.grammar_future.done():
                 self.grammar_wait.remove(req)
-                req.grammar_future = None
+                self._forget_grammar_job(req)
                 message = f"the request's grammar did not compile within {limit:g} s"
                 self._fail(req, message + " (the grammar compiles are backed up)", status=503)
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
@@ -214,6 +214,13 @@ class Scheduler:
             finally:
                 req.grammar_future = None
             self.waiting.append(req)
+
+    def _forget_grammar_job(self, req: Req) -> None:
+        """The request no longer waits for its grammar: a compile nobody else waits for (n > 1
+        samples share one) is cancelled, if it has not started, so that it frees its place."""
+        job, req.grammar_future = req.grammar_future, None
+        if job is not None and not any(r.grammar_future is job for r in self.grammar_wait):
+            job.cancel()
 
     @property
     def grammar_wait_limit_s(self) -> float:
@@ -237,8 +244,13 @@ class Scheduler:
         if hit and self._inflight is not None:
             self._resolve()  # release() needs every token of the request on the host
             hit = [r for r in hit if not r.finished]
+            # NOTE: a request the read-back gave a token went to _resolved; the abort reports it
+            # (that token included). Listed in both, it was reported twice, and the server's
+            # scheduler process died on the second update (KeyError).
+            self._resolved = [r for r in self._resolved if r not in hit]
         for req in hit:
             next(q for q in queues if req in q).remove(req)
+            self._forget_grammar_job(req)
             self.memory.release(req)
             self.output.finish(req, FinishReason("abort", message="aborted by request"))
             self._reported.append(req)
@@ -278,7 +290,7 @@ class Scheduler:
                 self._resolve()
             elif self.grammar_wait and not updates:
                 self._wait_for_grammars()
-            return self._step_updates(updates)
+            return updates + self._take_resolved()
         prev = self._inflight
         batch, plans = build_batch(
             work, self.memory, self.runner.device, prev.ids if prev is not None else None
@@ -298,7 +310,7 @@ class Scheduler:
         self.new_token_ratio = max(
             self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO
         )
-        return self._step_updates(updates)
+        return updates + self._take_resolved()
 
     def _launch(self, hidden: torch.Tensor, plans: list[RowPlan]) -> None:
         """Prompt logprobs, prefill progress into the cache, then sampling (not read back)."""
@@ -390,17 +402,6 @@ class Scheduler:
     def _take_resolved(self) -> list[Req]:
         done, self._resolved = self._resolved, []
         return done
-
-    def _step_updates(self, updates: list[Req]) -> list[Req]:
-        """This step's updates, each request once.
-
-        NOTE: an abort while a step is in flight first reads that step back (the request goes
-        to `_resolved` with its token), then ends it (it goes to `_reported`): the same request
-        is in both lists. Reported twice, its second update found no progress entry in the
-        server's scheduler process (KeyError: the process died with every request in it).
-        """
-        seen = {id(r) for r in updates}
-        return updates + [r for r in self._take_resolved() if id(r) not in seen]
 
     def _fill_bitmask(
         self, logits: torch.Tensor, reqs: list[Req]
