@@ -38,8 +38,8 @@ def check_rid(rid: object) -> str:
         raise ValueError("rid must be a non-empty string")
     if len(rid) > MAX_RID_CHARS:
         raise ValueError(f"rid is too long: {len(rid)} characters, at most {MAX_RID_CHARS}")
-    if any(c < " " or c == "\x7f" for c in rid):
-        raise ValueError("rid must not contain control characters")
+    if not rid.isprintable():
+        raise ValueError("rid must hold printable characters only (no control characters)")
     return rid
 
 

@@ -77,6 +77,18 @@ class ParentWatch:
         return True
 
 
+def exit_status(code: int | None) -> str:
+    """A child process's exit code as words: "code 1", "killed by SIGKILL"."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"code {code}"
+
+
 def setup_child(name: str, log_level: str) -> None:
     """Common start of a child process: the parent owns Ctrl-C (the terminal sends SIGINT to the
     whole process group) and stops children with SIGTERM, which exits through SystemExit so that

@@ -269,8 +269,9 @@ class HeartbeatThread:
         try:
             while True:
                 s = scheduler
-                held = len(s.running) + len(s.waiting) + len(s.grammar_wait)
-                sock.send(to_tm.encoder.encode(Heartbeat(s.num_steps, held)), zmq.NOBLOCK)
+                runnable = len(s.running) + len(s.waiting)
+                beat = Heartbeat(s.num_steps, runnable, runnable + len(s.grammar_wait))
+                sock.send(to_tm.encoder.encode(beat), zmq.NOBLOCK)
                 if self._stopped.wait(HEARTBEAT_S):
                     return
         finally:

@@ -39,7 +39,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     comes during a long step too, and stops only when the whole process is frozen or gone)."""
 
     steps: int  # scheduler steps so far: progress
-    held: int  # requests it holds (running, waiting, waiting for a grammar)
+    runnable: int  # requests it could step (running or waiting; a step is due)
+    held: int  # all the requests it holds (the runnable ones and those waiting for a grammar)
 
 
 class Fatal(msgspec.Struct, tag="fatal"):

@@ -135,7 +135,7 @@ def _prompt_ids(obj: GenerateReqInput, tm: TokenizerManager) -> tuple[list[list[
         if isinstance(obj.text, str):
             return [tm.tokenize(obj.text, "text")], True
         if isinstance(obj.text, list) and obj.text and all(isinstance(t, str) for t in obj.text):
-            return [tm.tokenize(t, f"text[{i}]") for i, t in enumerate(obj.text)], False
+            return tm.tokenize_many(obj.text, [f"text[{i}]" for i in range(len(obj.text))]), False
         raise bad_request("text must be a non-empty string or a non-empty list of strings", "text")
     ids = obj.input_ids
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):

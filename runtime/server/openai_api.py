@@ -500,7 +500,8 @@ def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[in
         return [tm.tokenize(prompt, "prompt")], [prompt]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return [tm.tokenize(p, f"prompt[{i}]") for i, p in enumerate(prompt)], list(prompt)
+            names = [f"prompt[{i}]" for i in range(len(prompt))]
+            return tm.tokenize_many(prompt, names), list(prompt)
         if all(isinstance(p, list) for p in prompt):
             ids = [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
             return ids, [tm.tokenizer.decode(x) if tm.tokenizer else "" for x in ids]

@@ -14,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import functools
 import itertools
 import logging
-import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from weft.grammars.spec import off_loop
 from weft.runtime.core import check_rid
+from weft.runtime.ipc import exit_status
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
@@ -164,6 +163,9 @@ class TokenizerManager:
         self._token_texts: dict[int, str] = {}
         self._anchor: int | None = None
         self._recv_task: asyncio.Task[None] | None = None
+        # the most characters one token stands for (the longest token string, special tokens
+        # included, plus one for a normalizer's added prefix): a longer text cannot fit
+        self._token_chars = _longest_token(tokenizer) + 1 if tokenizer is not None else 0
         self.dead: str | None = None  # why the server cannot serve any more
         # the scheduler's liveness, from its heartbeats (monotonic times)
         self._heartbeat_at = time.monotonic()
@@ -208,7 +210,7 @@ class TokenizerManager:
         # NOTE: the sentinel closes as the process exits, a moment before it can be reaped:
         # join(0) saw no exit code yet ("code None")
         proc.join(1.0)
-        self._mark_dead(f"the {name} process exited ({_exit_status(proc.exitcode)})")
+        self._mark_dead(f"the {name} process exited ({exit_status(proc.exitcode)})")
 
     def _mark_dead(self, why: str) -> None:
         if self.dead is None:
@@ -250,9 +252,13 @@ class TokenizerManager:
                 self._mark_dead(f"watchdog: {why} (--watchdog-timeout {limit:g})")
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
+        """The stall clock runs while requests are pending and the scheduler either has work to
+        step and takes no step, or holds none of them (they were lost). Requests that only wait
+        for their grammars are not a stall: the scheduler bounds that wait itself."""
         now = time.monotonic()
         self._heartbeat_at = now
-        if beat.steps != self._scheduler_steps or not self.states:
+        grammars_only = beat.runnable == 0 and beat.held > 0
+        if beat.steps != self._scheduler_steps or not self.states or grammars_only:
             self._scheduler_steps = beat.steps
             self._progress_at = now
 
@@ -271,47 +277,50 @@ class TokenizerManager:
     def tokenize(
         self, text: str, param: str = "text", add_special_tokens: bool = True
     ) -> list[int]:
-        """Special-token strings in the text (a rendered chat template) become special tokens.
+        """Special-token strings in the text (a rendered chat template) become special tokens."""
+        return self.tokenize_many([text], [param], add_special_tokens)[0]
 
-        A text that cannot fit is refused before any tokenizing; inside `parse_off_loop`, a long
-        one is tokenized on a worker thread (the tokenizer releases the GIL): a 16 MB prompt
-        once held the event loop, /health and every stream with it, for 26 s."""
+    def tokenize_many(
+        self, texts: list[str], params: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """The prompts of one request (`params` names each one's field).
+
+        A text that cannot fit is refused before any tokenizing. Inside `parse_off_loop`, long
+        texts are tokenized on a worker thread (the tokenizer releases the GIL), all of a
+        request's in one job: a 16 MB prompt once held the event loop, /health and every stream
+        with it, for 26 s; and each job reruns the request's parse (a job per prompt made a
+        batch of k long prompts parse k + 1 times)."""
         tokenizer = self.tokenizer
-        if tokenizer is None:
+        for text, param in zip(texts, params, strict=True):
+            self._check_text(text, param)
+        assert tokenizer is not None  # (checked)
+        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
+            return [list(tokenizer.encode(t, add_special_tokens=add_special_tokens)) for t in texts]
+        key = ("tokenize", tuple(texts), add_special_tokens)
+        return off_loop(key, lambda: _encode_and_trim(tokenizer, texts, add_special_tokens))
+
+    def _check_text(self, text: str, param: str) -> None:
+        if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send input_ids instead of text", param)
         if not text:
             raise bad_request(f"{param} is empty", param)
-        if len(text) > self.max_prompt_chars:
+        if len(text) > self.max_prompt_tokens * self._token_chars:
+            limited = self.config.max_prompt_tokens is not None
             raise ApiError(
                 f"{param} is too long: {len(text)} characters can only make more than "
-                f"{self.max_prompt_tokens} tokens (the most a prompt may have here), since no "
-                f"token of this model is longer than {self._token_chars} characters",
+                f"{self.max_prompt_tokens} tokens (the most a prompt may have here"
+                f"{', --max-prompt-tokens' if limited else ''}), since no token of this model "
+                f"is longer than {self._token_chars} characters",
                 400,
                 param=param,
-                code="context_length_exceeded",
+                code="prompt_too_long" if limited else "context_length_exceeded",
             )
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        key = ("tokenize", text, add_special_tokens)
-        return off_loop(key, lambda: _encode_and_trim(tokenizer, text, add_special_tokens))
 
     @property
     def max_prompt_tokens(self) -> int:
         limit = self.config.max_prompt_tokens
         context = self.info.context_length - 1  # the prompt and one new token must fit
         return context if limit is None else min(limit, context)
-
-    @functools.cached_property
-    def _token_chars(self) -> int:
-        """The most characters one token stands for (the longest token string, special
-        tokens included, plus a margin for a normalizer's added prefix)."""
-        assert self.tokenizer is not None
-        tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
-        return max(len(t) for t in tokens if t is not None) + 1
-
-    @property
-    def max_prompt_chars(self) -> int:
-        return self.max_prompt_tokens * self._token_chars
 
     def token_text(self, tid: int) -> str:
         """The text a token adds after other text (for logprobs).
@@ -716,11 +725,16 @@ def scheduler_liveness(
     return why, max(silent_s, stuck_s if pending else 0.0)
 
 
+def _longest_token(tokenizer: PreTrainedTokenizerBase) -> int:
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(t) for t in tokens if t is not None)
+
+
 def _encode_and_trim(
-    tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool
-) -> list[int]:
-    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    if len(text) >= TRIM_AFTER_CHARS:
+    tokenizer: PreTrainedTokenizerBase, texts: tuple[str, ...] | list[str], add_special: bool
+) -> list[list[int]]:
+    ids = [list(tokenizer.encode(t, add_special_tokens=add_special)) for t in texts]
+    if sum(len(t) for t in texts) >= TRIM_AFTER_CHARS:
         _malloc_trim()  # NOTE: glibc keeps the tokenizer's freed arenas (180 MiB once) otherwise
     return ids
 
@@ -728,18 +742,6 @@ def _encode_and_trim(
 def _malloc_trim() -> None:
     with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _exit_status(code: int | None) -> str:
-    """A process's exit code as words: "code 1", "killed by SIGKILL"."""
-    if code is None:
-        return "exit code unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"code {code}"
 
 
 def _checked_rid(rid: str) -> str:
