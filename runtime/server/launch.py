@@ -31,17 +31,18 @@ import uvicorn
 import zmq
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from weft.runtime.ipc import IpcNames, pull_socket, remove_ipc_folder, setup_logging
+from weft.runtime.ipc import IpcNames, exit_status, pull_socket, remove_ipc_folder, setup_logging
 from weft.runtime.loaders.source import ModelSource, resolve_source
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages.common import Fatal, ModelInfo, Ready
+from weft.runtime.server.child_main import detokenizer_main, scheduler_main
 from weft.runtime.server.middleware import load_api_keys
 from weft.runtime.server_config import ServerConfig
 
-# NOTE: this module is imported before the children start, and by the children themselves
-# (their entry points below): torch, transformers and the HTTP stack are imported later, in
-# launch_server once the children are loading, and in each child's own entry point. The
-# launcher's imports (seconds) then overlap the children's instead of preceding them.
+# NOTE: this module is imported before the children start: torch, transformers and the HTTP
+# stack are imported later, in launch_server once the children are loading (and by each child
+# in its entry point, child_main). The launcher's imports (seconds) then overlap the
+# children's instead of preceding them.
 if TYPE_CHECKING:
     from weft.runtime.server.tokenizer_manager import TokenizerManager
 
@@ -77,10 +78,10 @@ class ChildProcesses:
         # nothing measurable. Read by the children's OpenMP runtime at start (env inherited).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         targets: list[tuple[str, Any, tuple[Any, ...]]] = [
-            ("scheduler", _scheduler_main, (config, source, ipc, me)),
+            ("scheduler", scheduler_main, (config, source, ipc, me)),
             (
                 "detokenizer",
-                _detokenizer_main,
+                detokenizer_main,
                 (source.tokenizer_folder, config.log_level, ipc, me),
             ),
         ]
@@ -106,18 +107,6 @@ class ChildProcesses:
         self.procs.clear()
 
 
-def _scheduler_main(*args: Any) -> None:
-    from weft.runtime.scheduler_process import run_scheduler_process
-
-    run_scheduler_process(*args)
-
-
-def _detokenizer_main(*args: Any) -> None:
-    from weft.runtime.detokenizer_process import run_detokenizer_process
-
-    run_detokenizer_process(*args)
-
-
 def _wait_ready(inbox: zmq.Socket, children: ChildProcesses) -> ModelInfo:
     """Until the scheduler (model loaded) and the detokenizer (tokenizer loaded) are ready."""
     while True:
@@ -136,7 +125,9 @@ def _wait_ready(inbox: zmq.Socket, children: ChildProcesses) -> ModelInfo:
                 msg = from_detok.decoder.decode(inbox.recv())
                 if isinstance(msg, Fatal):
                     raise StartupError(f"the {msg.process} process failed: {msg.message}")
-            raise StartupError(f"the {name} process exited during startup (code {proc.exitcode})")
+            raise StartupError(
+                f"the {name} process exited during startup ({exit_status(proc.exitcode)})"
+            )
 
 
 class _Server(uvicorn.Server):
