@@ -244,10 +244,11 @@ class Scheduler:
         if hit and self._inflight is not None:
             self._resolve()  # release() needs every token of the request on the host
             hit = [r for r in hit if not r.finished]
-            # NOTE: a request the read-back gave a token went to _resolved; the abort reports it
-            # (that token included). Listed in both, it was reported twice, and the server's
-            # scheduler process died on the second update (KeyError).
-            self._resolved = [r for r in self._resolved if r not in hit]
+        # NOTE: a request a read-back gave a token went to _resolved; the abort reports it (that
+        # token included). Listed in both, it was reported twice, and the server's scheduler
+        # process died on the second update (KeyError). The read-back may be an earlier abort's
+        # of this same step (a client that leaves a batch aborts its rids one by one).
+        self._resolved = [r for r in self._resolved if r not in hit]
         for req in hit:
             next(q for q in queues if req in q).remove(req)
             self._forget_grammar_job(req)

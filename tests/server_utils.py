@@ -122,6 +122,8 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(timeout)
+        if code != 0:  # the teardown's error report shows why the server ended
+            print(f"the server exited {code}:\n{self.output}", file=sys.stderr)
         deadline = time.monotonic() + 10
         left = self.leftover_children()
         while left and time.monotonic() < deadline:

@@ -170,3 +170,29 @@ def test_a_request_aborted_while_in_flight_is_reported_once(overlap):
     steps = overlap.call(drive)
     assert all(len(step) == len(set(step)) for step in steps), steps
     assert sum(step.count("twice") for step in steps) == 2  # the first token, then the abort
+
+
+def test_requests_aborted_one_by_one_after_a_read_back_are_reported_once(overlap):
+    # A client that leaves a batch aborts its rids one by one: the first abort reads the step
+    # back (every request of it resolved), the later ones found nothing in flight and reported
+    # their request a second time (the server's scheduler process died with a KeyError).
+    from weft.runtime.core import Req
+    from weft.runtime.sampling_params import SamplingParams
+
+    def drive() -> list[list[str]]:
+        scheduler = overlap.scheduler
+        params = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
+        rids = [f"batch-{k}" for k in range(3)]
+        for rid, prompt in zip(rids, _prompts(3, seed=7), strict=True):
+            scheduler.add(Req(rid=rid, input_ids=prompt, params=params))
+        steps = [[r.rid for r in scheduler.step()] for _ in range(2)]  # prefill, then a decode
+        assert scheduler._inflight is not None
+        assert all(scheduler.abort(rid) for rid in rids)
+        while scheduler.has_work:
+            steps.append([r.rid for r in scheduler.step()])
+        return steps
+
+    steps = overlap.call(drive)
+    assert all(len(step) == len(set(step)) for step in steps), steps
+    for rid in ("batch-0", "batch-1", "batch-2"):
+        assert sum(step.count(rid) for step in steps) == 2, steps  # the first token, the abort
