@@ -8,6 +8,7 @@ from typing import Any
 from weft.frontend.ir import (
     ROLES,
     SELECT_METHODS,
+    DType,
     Gen,
     Node,
     RoleBegin,
@@ -31,12 +32,30 @@ SAMPLING_NAMES = {
     "presence_penalty": "presence_penalty",
     "ignore_eos": "ignore_eos",
 }
-# gen(dtype=...) as a regex over the value's Python spelling (SGLang's meaning)
-DTYPE_REGEX = {int: r"[-+]?[0-9]+", float: r"[-+]?[0-9]+(\.[0-9]+)?", bool: r"(True|False)"}
+# gen(dtype=...): the value's Python spelling as a regex (SGLang's meaning; a str is a JSON string
+# literal), and the variable holds the value it spells.
+# NOTE: a number may end with one space or newline. Without it the model has no way to say the
+# number is done but the end token, and a small model rather writes more digits ("340000..." to
+# the token limit); with SGLang's `[ \n]*` it writes whitespace to the limit instead. After that
+# one character the grammar can only end: the end token is all the mask allows, and the request
+# ends on it. (True|False) and a closed string literal end the same way.
+DTYPES = {
+    dtype.name: dtype
+    for dtype in (
+        DType("int", r"[-+]?[0-9]+[ \n]?", int),
+        DType("float", r"[-+]?[0-9]*\.?[0-9]+[ \n]?", float),
+        DType("bool", r"(True|False)", lambda text: text == "True"),
+        DType(
+            "str",
+            r'"([^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"',
+            lambda text: json.loads(text, strict=False),
+        ),
+    )
+}
 
 
 def _constraint(
-    name: str | None, regex: str | None, json_schema: Any, ebnf: str | None, dtype: Any
+    name: str | None, regex: str | None, json_schema: Any, ebnf: str | None, dtype: DType | None
 ) -> dict[str, str]:
     """The one constraint of a gen as sampling params (json_schema as JSON text)."""
     given = {
@@ -55,10 +74,7 @@ def _constraint(
         return {}
     key, value = next(iter(given.items()))
     if key == "dtype":
-        kind = {"int": int, "float": float, "bool": bool}.get(value, value)
-        if kind not in DTYPE_REGEX:
-            raise ValueError(f"gen({name!r}): dtype must be int, float or bool, got {value!r}")
-        return {"regex": DTYPE_REGEX[kind]}
+        return {"regex": value.regex}
     if key == "json_schema" and not isinstance(value, str):
         if hasattr(value, "model_json_schema"):  # a pydantic model class
             value = value.model_json_schema()
@@ -66,6 +82,14 @@ def _constraint(
     if not isinstance(value, str):
         raise ValueError(f"gen({name!r}): {key} must be a string")
     return {key: value}
+
+
+def _dtype(name: str | None, value: Any) -> DType:
+    """gen(dtype=...): int, float, bool or str, as the type or its name."""
+    key = value.__name__ if value in (int, float, bool, str) else value
+    if not isinstance(key, str) or key not in DTYPES:
+        raise ValueError(f"gen({name!r}): dtype must be int, float, bool or str, got {value!r}")
+    return DTYPES[key]
 
 
 def gen(
@@ -88,7 +112,8 @@ def gen(
     dtype: type | str | None = None,
 ) -> Node:
     """Generate text into variable `name`; unset parameters take the run's defaults."""
-    constraint = _constraint(name, regex, json_schema, ebnf, dtype)
+    kind = None if dtype is None else _dtype(name, dtype)
+    constraint = _constraint(name, regex, json_schema, ebnf, kind)
     if choices is not None:
         return select(name, choices)
     local = {
@@ -105,7 +130,7 @@ def gen(
         "ignore_eos": ignore_eos,
     }
     params = {SAMPLING_NAMES[k]: v for k, v in local.items() if v is not None}
-    return Gen(name, {**params, **constraint})
+    return Gen(name, {**params, **constraint}, kind)
 
 
 def select(

@@ -5,6 +5,8 @@ Each node is small and prints as the DSL call that made it, so a trace reads lik
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +32,38 @@ class Text(Node):
         return f"Text({self.value!r})"
 
 
+@dataclass(frozen=True, repr=False)
+class DType:
+    """gen(dtype=...): the regex the output is held to, and how the variable is read from it."""
+
+    name: str  # int | float | bool | str
+    regex: str
+    convert: Callable[[str], Any]  # text that matches the regex, stripped -> the value
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def value(self, text: str) -> Any:
+        """The value an output spells (surrounding whitespace aside); ValueError if the output
+        does not match the regex (cut off by max_tokens, or a backend that ignored the regex)."""
+        body = text.strip()
+        if re.fullmatch(self.regex, body) is None:
+            raise ValueError(
+                f"the output {text!r} does not match the {self.name} regex {self.regex!r}"
+            )
+        return self.convert(body)
+
+
 @dataclass(repr=False)
 class Gen(Node):
     name: str | None
     params: dict[str, Any] = field(default_factory=dict)
+    dtype: DType | None = None  # the variable holds this type's value, not the text
 
     def __repr__(self) -> str:
         args = [repr(self.name)] + [f"{k}={v!r}" for k, v in self.params.items()]
+        if self.dtype is not None:
+            args.append(f"dtype={self.dtype!r}")
         return f"Gen({', '.join(args)})"
 
 

@@ -385,7 +385,7 @@ class ProgramState:
         except Exception as exc:
             raise ProgramError(f"{label} failed: {exc}") from exc
         if node.name is not None:
-            self._vars[node.name] = result.text
+            self._vars[node.name] = _value(label, node, result)
             self._meta[node.name] = result.meta
 
     async def _chat(self, label: str, params: dict[str, Any]) -> GenResult:
@@ -524,6 +524,19 @@ class _Tail:
         if n == 0 and self.start > 0:
             return None
         return self.start + n
+
+
+def _value(label: str, node: Gen, result: GenResult) -> Any:
+    """What a gen's variable holds: its text, or the value it spells for gen(dtype=...)."""
+    if node.dtype is None:
+        return result.text
+    try:
+        return node.dtype.value(result.text)
+    except ValueError as exc:
+        finish = result.meta.get("finish_reason")
+        raise ProgramError(
+            f"{label} with dtype={node.dtype!r}: {exc}; finish_reason {finish}"
+        ) from exc
 
 
 async def _none() -> None:

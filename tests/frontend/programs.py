@@ -7,6 +7,7 @@ so the assertions are exact whatever the model.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -123,6 +124,37 @@ def check_backend_error_names_the_gen(backend):
         story.run(start="Once", backend=backend, temperature=-1.0)
 
 
+# the model could write more digits than this; a number that can end does end before it
+DTYPE_TOKENS = 24
+DTYPE_PROMPTS = {
+    "age": ("Alice Martin, 34. Her age is ", int),
+    "height": ("She is tall, her height in meters is ", float),
+    "happy": ("Is she happy? ", bool),
+    "said": ("Lily said: ", str),
+}
+# how each type is spelled: Python's spelling, a str as a JSON string literal
+SPELLED = {int: int, float: float, bool: {"True": True, "False": False}.get, str: json.loads}
+
+
+@weft.function
+def typed(s):
+    for name, (prompt, dtype) in DTYPE_PROMPTS.items():
+        s += prompt + weft.gen(name, dtype=dtype, max_tokens=DTYPE_TOKENS)
+        s += "\n"
+
+
+def check_dtype(backend):
+    s = typed.run(backend=backend, **GREEDY)
+    text = ""
+    for name, (prompt, dtype) in DTYPE_PROMPTS.items():
+        regex = weft.gen(name, dtype=dtype).params["regex"]
+        out = direct(backend, text + prompt, max_new_tokens=DTYPE_TOKENS, regex=regex, **GREEDY)
+        text += prompt + out + "\n"
+        assert s[name] == SPELLED[dtype](out.strip()) and type(s[name]) is dtype, name
+        assert s.get_meta_info(name)["finish_reason"]["type"] == "stop", name
+    assert s.text() == text
+
+
 @weft.function
 def chat(s, question):
     s += weft.system("You are a terse assistant.")
@@ -154,4 +186,5 @@ PLAIN = [
     check_stream,
     check_batch,
     check_backend_error_names_the_gen,
+    check_dtype,
 ]

@@ -36,11 +36,76 @@ def test_constrained_gen_becomes_sampling_params():
         "json_schema": '{"type": "object"}'
     }
     assert weft.gen("x", ebnf='root ::= "a"').params == {"ebnf": 'root ::= "a"'}
-    assert weft.gen("x", dtype=int).params == {"regex": r"[-+]?[0-9]+"}
     with pytest.raises(ValueError, match=r"gen\('x'\): give one of regex, ebnf, not several"):
         weft.gen("x", regex="a", ebnf='root ::= "a"')
-    with pytest.raises(ValueError, match=r"gen\('x'\): dtype must be int, float or bool"):
+
+
+def test_dtype_is_a_regex_that_can_end():
+    # a number may end with one space or newline, after which the grammar can only end
+    assert weft.gen("x", dtype=int).params == {"regex": r"[-+]?[0-9]+[ \n]?"}
+    assert weft.gen("x", dtype="float").params == {"regex": r"[-+]?[0-9]*\.?[0-9]+[ \n]?"}
+    assert weft.gen("x", dtype=bool).params == {"regex": "(True|False)"}
+    assert weft.gen("x", dtype=str, max_tokens=9).params == {
+        "max_new_tokens": 9,
+        "regex": r'"([^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"',
+    }
+    assert repr(weft.gen("x", dtype=int)) == r"Gen('x', regex='[-+]?[0-9]+[ \\n]?', dtype=int)"
+    with pytest.raises(ValueError, match=r"gen\('x'\): dtype must be int, float, bool or str"):
         weft.gen("x", dtype=list)
+    with pytest.raises(ValueError, match=r"gen\('x'\): give one of regex, dtype, not several"):
+        weft.gen("x", regex="a", dtype=int)
+
+
+@weft.function
+def person(s):
+    s += "Age: " + weft.gen("age", dtype=int)
+    s += "Height: " + weft.gen("height", dtype=float)
+    s += "Adult: " + weft.gen("adult", dtype=bool)
+    s += "Name: " + weft.gen("name", dtype=str)
+
+
+PERSON_REPLIES = {"Age: ": "34\n", "Height: ": "1.75 ", "Adult: ": "True", "Name: ": '"Al \\"A\\""'}
+PERSON_VALUES = {"age": 34, "height": 1.75, "adult": True, "name": 'Al "A"'}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_dtype_variables_hold_values(stream):
+    s = person.run(backend=FakeBackend(replies=PERSON_REPLIES), stream=stream)
+    assert s.variables == PERSON_VALUES
+    assert [type(s[k]) for k in PERSON_VALUES] == [int, float, bool, str]
+    assert s.text() == 'Age: 34\nHeight: 1.75 Adult: TrueName: "Al \\"A\\""'
+
+
+def test_dtype_variables_hold_values_through_chat():
+    be = FakeBackend(replies={"How old?": "-7 "})
+
+    @weft.function
+    def chat(s):
+        s += weft.user("How old?") + weft.assistant(weft.gen("age", dtype=int))
+
+    s = chat.run(backend=be)
+    assert be.calls == [
+        ("chat", [{"role": "user", "content": "How old?"}], {"regex": r"[-+]?[0-9]+[ \n]?"})
+    ]
+    assert s["age"] == -7 and type(s["age"]) is int
+
+
+@pytest.mark.parametrize(
+    "dtype,reply",
+    [(int, "-"), (int, "forty"), (float, "3."), (float, "inf"), (bool, "true"), (str, '"abc')],
+)
+def test_dtype_output_that_is_no_value_names_the_gen(dtype, reply):
+    @weft.function
+    def prog(s):
+        s += "x=" + weft.gen("x", dtype=dtype)
+
+    with pytest.raises(ProgramError) as err:
+        prog.run(backend=FakeBackend(replies={"x=": reply}))
+    regex = weft.gen("x", dtype=dtype).params["regex"]
+    assert str(err.value) == (
+        f"gen('x') with dtype={dtype.__name__}: the output {reply!r} does not match the "
+        f"{dtype.__name__} regex {regex!r}; finish_reason None"
+    )
 
 
 def test_bad_select_arguments():

@@ -93,6 +93,17 @@ def test_openai_backend_completions(stories_server):
     assert s.get_meta_info("middle")["finish_reason"] in ("length", "stop")
 
 
+def test_openai_backend_dtype(stories_server):
+    # the regex goes as the extension field /v1/completions takes; the values are the same
+    be = openai_backend(stories_server)
+    s = programs.typed.run(backend=be, temperature=0)
+    want = programs.typed.run(backend=stories_server_endpoint(stories_server), temperature=0)
+    assert s.variables == want.variables
+    assert [type(v) for v in s.variables.values()] == [int, float, bool, str]
+    assert s.text() == want.text()
+    assert [s.get_meta_info(n)["finish_reason"] for n in programs.DTYPE_PROMPTS] == ["stop"] * 4
+
+
 def test_openai_backend_select_is_a_clear_error(stories_server):
     be = openai_backend(stories_server)
     with pytest.raises(weft.frontend.ProgramError, match=r"select\('mood'\) failed: .*no logpro"):
