@@ -9,8 +9,13 @@ import pytest
 from server_utils import ServerProcess, schedule_args, stories_args
 
 PROMPT = "Once upon a time"
-# stories260K has no chat template of its own: --chat-template gives it one
-TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+# stories260K has no chat template of its own: --chat-template gives it one (with tools, it
+# teaches Qwen's <tool_call> format, so tool calls run on this model too)
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}tools: {{ tools | tojson }}\n"
+    "call one as <tool_call>\n{...}\n</tool_call>\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +178,36 @@ def test_chat_with_a_template_given_on_the_command_line(client):
         model="stories", prompt="user: Once upon a time\n", max_tokens=1
     )
     assert abs(out.usage.prompt_tokens - plain.usage.prompt_tokens) <= 1
+
+
+# ---- chat: constrained outputs on stories260K ---------------------------------------------
+
+HI = [{"role": "user", "content": "Hi"}]
+# this model writes property after property up to max_tokens, where the schema lets it
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.mark.parametrize("max_tokens", [3, 8, 15])
+def test_a_tool_call_cut_off_by_max_tokens_is_no_content(client, max_tokens):
+    # 3 tokens: "<to"; 15: '<tool_call>\n{"n' (the model must call, so the output is markup)
+    tool = {"type": "function", "function": {"name": "f", "parameters": ANSWER}}
+    kwargs = {
+        "model": "stories",
+        "messages": HI,
+        "tools": [tool],
+        "tool_choice": "required",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    out = client.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    assert (choice.message.content, choice.message.tool_calls) == (None, None)
+    assert (choice.finish_reason, out.usage.completion_tokens) == ("length", max_tokens)
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs)]
+    assert [(c.delta.content, c.delta.tool_calls, c.finish_reason) for c in chunks] == [
+        ("", None, None),
+        (None, None, "length"),
+    ]
 
 
 def test_chat_template_from_a_file_or_a_string(tmp_path):

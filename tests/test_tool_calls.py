@@ -315,10 +315,10 @@ PARSE_CASES = [
         (q("add", "{"), [("add", '{"a": 1}')]),
     ),
     (
-        "a call cut off (length) stays content",
-        '<tool_call>\n{"name": "add", "argu',
+        "a call that never closed is no content",
+        'Sure. <tool_call>\n{"name": "add", "argu',
         QWEN25,
-        ('<tool_call>\n{"name": "add", "argu', []),
+        ("Sure.", []),
     ),
     (
         "a call without its close tag at the end",
@@ -357,10 +357,10 @@ PARSE_CASES = [
         ("Calling now:", [("add", '{"a": [1, {"b": 2}]}')]),
     ),
     (
-        "llama: an unclosed object stays content",
+        "llama: a call that never closed is no content",
         'x {"name": "add", "parameters": {',
         LLAMA3_JSON,
-        ('x {"name": "add", "parameters": {', []),
+        ("x", []),
     ),
     (
         "llama: JSON that is not a call stays content",
@@ -371,6 +371,25 @@ PARSE_CASES = [
 ]
 
 
+# outputs cut off by max_tokens (finish reason length): what may begin a call at the end is no
+# content either
+CUT_OFF_CASES = [
+    ("a trigger prefix at the end", "Hmm <tool_", QWEN25, ("Hmm", [])),
+    ("a trigger prefix alone (tool_choice required)", "<to", QWEN25, (None, [])),
+    ("the trigger alone", "<tool_call>", QWEN25, (None, [])),
+    (
+        "a call, then one cut off",
+        "Sure.\n" + q("add", '{"a": 1}') + '\n<tool_call>\n{"name": "get_',
+        QWEN25,
+        ("Sure.", [("add", '{"a": 1}')]),
+    ),
+    ("a call, then a trigger prefix", q("add", "{}") + "\n<", QWEN25, (None, [("add", "{}")])),
+    ("text that begins no call", "a < b", QWEN25, ("a < b", [])),
+    ("llama: a trigger prefix at the end", 'x {"na', LLAMA3_JSON, ("x", [])),
+    ("llama: a call cut off", '{"name": "add", "parameters": {"a"', LLAMA3_JSON, (None, [])),
+]
+
+
 @pytest.mark.parametrize(
     "text,fmt,expected", [c[1:] for c in PARSE_CASES], ids=[c[0] for c in PARSE_CASES]
 )
@@ -378,29 +397,44 @@ def test_parse(text, fmt, expected):
     assert calls_of(text, fmt) == expected
 
 
-def _stream(text: str, fmt, cuts: list[int]) -> tuple[str | None, list[tuple[str, str]]]:
+@pytest.mark.parametrize(
+    "text,fmt,expected", [c[1:] for c in CUT_OFF_CASES], ids=[c[0] for c in CUT_OFF_CASES]
+)
+def test_parse_cut_off(text, fmt, expected):
+    content, calls = parse_tool_calls(text, fmt, NAMES, cut_off=True)
+    assert (content, [(c.name, c.arguments) for c in calls]) == expected
+
+
+def _stream(
+    text: str, fmt, cuts: list[int], cut_off: bool = False
+) -> tuple[str | None, list[tuple[str, str]]]:
     parser = ToolCallParser(fmt, NAMES)
     events = []
     last = 0
     for cut in [*cuts, len(text)]:
         events += parser.feed(text[last:cut])
         last = cut
-    events += parser.finish()
+    events += parser.finish(cut_off)
     content = "".join(e for e in events if isinstance(e, str))
     calls = [(e.name, e.arguments) for e in events if not isinstance(e, str)]
     assert parser.num_calls == len(calls)
     return content or None, calls
 
 
-@pytest.mark.parametrize("case", PARSE_CASES, ids=[c[0] for c in PARSE_CASES])
-def test_streaming_parse_equals_whole_parse(case):
+@pytest.mark.parametrize(
+    "case,cut_off",
+    [(c, False) for c in PARSE_CASES] + [(c, True) for c in CUT_OFF_CASES],
+    ids=[c[0] for c in PARSE_CASES] + ["cut off: " + c[0] for c in CUT_OFF_CASES],
+)
+def test_streaming_parse_equals_whole_parse(case, cut_off):
     _, text, fmt, expected = case
     rng = random.Random(hash(text) & 0xFFFF)
-    assert _stream(text, fmt, []) == expected
-    assert _stream(text, fmt, list(range(1, len(text)))) == expected  # one character at a time
+    assert _stream(text, fmt, [], cut_off) == expected
+    one_by_one = list(range(1, len(text)))
+    assert _stream(text, fmt, one_by_one, cut_off) == expected
     for _ in range(200 if len(text) > 1 else 0):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 8))))
-        assert _stream(text, fmt, cuts) == expected, cuts
+        assert _stream(text, fmt, cuts, cut_off) == expected, cuts
 
 
 def test_streaming_holds_back_only_what_may_start_a_call():
@@ -474,6 +508,55 @@ def test_no_tool_calls_finish_on_length_or_without_calls():
     choice = job.response()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert choice["message"] == {"role": "assistant", "content": "No tools needed."}
+
+
+def _streamed(job: _Job, sample: Sample, text: str, finish: dict[str, Any], step: int) -> Any:
+    """(content, [(name, arguments)], finish_reason) of a chat job's chunks, `step` characters
+    of `text` at a time."""
+    cur = _Cursor(parser=job.tools.parser() if job.tools is not None else None)
+    choices = []
+    for at in range(0, len(text), step):
+        sample.text = text[: at + step]
+        if at + step >= len(text):
+            sample.finish_reason = finish
+        choices += job._stream_choices(0, sample, cur)
+    deltas = [c["delta"] for c in choices]
+    content = "".join(d.get("content") or "" for d in deltas) or None
+    calls: dict[int, list[str]] = {}
+    for part in (p for d in deltas for p in d.get("tool_calls", [])):
+        call = calls.setdefault(part["index"], [part["function"].get("name", ""), ""])
+        call[1] += part["function"]["arguments"]
+    return content, [tuple(c) for c in calls.values()], choices[-1]["finish_reason"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+@pytest.mark.parametrize(
+    "text,content,calls",
+    [
+        ("<to", None, []),
+        ('<tool_call>\n{"name": "add", "arguments": {"a', None, []),
+        (q("add", '{"a": 1}') + "\n<tool_call>\n", None, [("add", '{"a": 1}')]),
+        ('Let me see. <tool_call>\n{"name": "get_weather", "ar', "Let me see.", []),
+    ],
+)
+def test_a_call_cut_off_by_max_tokens_is_no_content(tool_choice, text, content, calls):
+    # the whole response and the stream (any chunking) say the same: no markup in content
+    plan = plan_tools(TOOLS, tool_choice, None, template("Qwen-Qwen2.5-7B-Instruct.jinja"))
+    length = {"type": "length", "length": 9}
+    job, sample = _job(plan)
+    sample.text = text
+    sample.finish_reason = length
+    choice = job.response()["choices"][0]
+    assert choice["message"].get("content") == content
+    whole = [
+        (c["function"]["name"], c["function"]["arguments"])
+        for c in choice["message"].get("tool_calls", [])
+    ]
+    assert whole == calls
+    assert choice["finish_reason"] == "length"
+    for step in (1, 3, len(text)):
+        job, sample = _job(plan)
+        assert _streamed(job, sample, text, length, step) == (content, calls, "length")
 
 
 # ---- response_format and the OpenAI constraint fields ---------------------------------------

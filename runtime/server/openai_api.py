@@ -193,6 +193,11 @@ def _matched_stop(sample: Sample) -> int | str | None:
     return reason.get("matched")
 
 
+def _cut_off(sample: Sample) -> bool:
+    """The output did not end by itself (max_tokens, an abort): a tool call may be cut off."""
+    return _finish_reason(sample) != "stop"
+
+
 def _tool_finish(reason: str | None, called: bool) -> str | None:
     """A model that stopped after calling tools finished with "tool_calls" (not on "length")."""
     return "tool_calls" if called and reason == "stop" else reason
@@ -295,7 +300,7 @@ class _Job:
             choice: dict[str, Any] = {"index": index}
             finish_reason = _finish_reason(s)
             if self.kind == "chat" and self.tools is not None:
-                content, calls = self.tools.parse(s.text)
+                content, calls = self.tools.parse(s.text, _cut_off(s))
                 message: dict[str, Any] = {"role": "assistant", "content": content}
                 if calls:
                     message["tool_calls"] = [c.to_openai() for c in calls]
@@ -350,7 +355,7 @@ class _Job:
         key = "delta" if self.kind == "chat" else "text"
         bodies: list[Any]
         if self.kind == "chat":
-            bodies = self._chat_deltas(text, cur, finished)
+            bodies = self._chat_deltas(text, cur, finished, _cut_off(s))
         else:
             echo = ""
             if not cur.started and self.echo_prompts:
@@ -379,15 +384,18 @@ class _Job:
             choices.append(choice)
         return choices
 
-    def _chat_deltas(self, text: str, cur: _Cursor, finished: bool) -> list[dict[str, Any]]:
+    def _chat_deltas(
+        self, text: str, cur: _Cursor, finished: bool, cut_off: bool
+    ) -> list[dict[str, Any]]:
         """Chat deltas for new text; through the tool-call parser when tools are active (then
-        possibly none: the parser may hold the text back)."""
+        possibly none: the parser may hold the text back). `cut_off`: a finished output did not
+        end by itself (what the parser holds back at its end may begin a call: dropped)."""
         if cur.parser is None:
             deltas: list[dict[str, Any]] = [{"content": text}]
         else:
             events = cur.parser.feed(text)
             if finished:
-                events += cur.parser.finish()
+                events += cur.parser.finish(cut_off)
             deltas = []
             for event in events:
                 if isinstance(event, str):

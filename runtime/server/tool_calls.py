@@ -241,8 +241,8 @@ class ToolPlan:
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.format, self.names)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return parse_tool_calls(text, self.format, self.names)
+    def parse(self, text: str, cut_off: bool = False) -> tuple[str | None, list[ToolCall]]:
+        return parse_tool_calls(text, self.format, self.names, cut_off)
 
 
 def plan_tools(
@@ -321,7 +321,9 @@ class ToolCallParser:
     does not decode to {"name": <a tool>, <args key>: {...}} stays content. Between calls, and
     after the last one, whitespace and the separator are dropped. Content is stripped as a whole.
     Text that might still become part of a call (a prefix of the trigger, an unclosed call) is
-    held back until it is decided or the output ends.
+    held back until it is decided or the output ends; then a call that never closed is dropped
+    (max_tokens or a stop string cut it off: it is no content), and so is a prefix of the
+    trigger at the end of an output that was cut off (the call it began is cut off too).
     """
 
     def __init__(self, fmt: ToolFormat, names: frozenset[str]) -> None:
@@ -338,11 +340,16 @@ class ToolCallParser:
         self.pending += text
         return self._advance(final=False)
 
-    def finish(self) -> list[ParseEvent]:
-        """The output ended: decide everything held back."""
-        return self._advance(final=True)
+    def finish(self, cut_off: bool = False) -> list[ParseEvent]:
+        """The output ended: decide everything held back. `cut_off`: it did not end by itself
+        (finish reason length, not stop)."""
+        out = self._advance(final=True, cut_off=cut_off)
+        if self.pending:
+            logger.debug("tool call parser: a call cut off, dropped: %r", self.pending[:200])
+            self.pending = ""
+        return out
 
-    def _advance(self, final: bool) -> list[ParseEvent]:
+    def _advance(self, final: bool, cut_off: bool = False) -> list[ParseEvent]:
         out: list[ParseEvent] = []
         while self.pending:
             if self.after_call and not self._skip_gap(final):
@@ -350,7 +357,7 @@ class ToolCallParser:
             trigger = self.fmt.trigger
             start = self.pending.find(trigger)
             if start < 0:
-                keep = 0 if final else _held_prefix(self.pending, trigger)
+                keep = 0 if final and not cut_off else _held_prefix(self.pending, trigger)
                 self._content(out, self.pending[: len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep :]
                 break
@@ -361,6 +368,8 @@ class ToolCallParser:
                 break
             segment = self.pending if end is None else self.pending[:end]
             call = self._decode(segment, closed=end is not None)
+            if call is None and end is None:
+                break  # an unclosed call: never content (finish drops it)
             if call is None:
                 self._content(out, segment)
             else:
@@ -467,10 +476,11 @@ def _object_end(text: str) -> int | None:
 
 
 def parse_tool_calls(
-    text: str, fmt: ToolFormat, names: frozenset[str]
+    text: str, fmt: ToolFormat, names: frozenset[str], cut_off: bool = False
 ) -> tuple[str | None, list[ToolCall]]:
-    """Finished output -> (content outside the calls, stripped, None if empty; the calls)."""
+    """Finished output -> (content outside the calls, stripped, None if empty; the calls).
+    `cut_off`: the output did not end by itself (see ToolCallParser.finish)."""
     parser = ToolCallParser(fmt, names)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(cut_off)
     content = "".join(e for e in events if isinstance(e, str))
     return content or None, [e for e in events if isinstance(e, ToolCall)]
