@@ -187,6 +187,15 @@ HI = [{"role": "user", "content": "Hi"}]
 ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
+def test_strict_json_schema_is_a_closed_schema(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER, "strict": True}}
+    out = client.chat.completions.create(
+        model="stories", messages=HI, response_format=fmt, max_tokens=40, temperature=0
+    )
+    assert out.choices[0].message.content == '{"ok": false}'
+    assert out.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("max_tokens", [3, 8, 15])
 def test_a_tool_call_cut_off_by_max_tokens_is_no_content(client, max_tokens):
     # 3 tokens: "<to"; 15: '<tool_call>\n{"n' (the model must call, so the output is markup)

@@ -4,6 +4,7 @@ and streamed in any chunking), and the 400s that name the bad field."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from types import SimpleNamespace
@@ -33,9 +34,11 @@ from weft.runtime.server.tool_calls import (
     ToolChoice,
     check_tool_choice,
     check_tools,
+    closed_schema,
     detect_format,
     parse_tool_calls,
     plan_tools,
+    strict_schema,
     structural_tag,
 )
 from weft.runtime.server_config import ServerConfig
@@ -568,8 +571,122 @@ def test_response_format_mapping():
     assert response_format_constraint(None) is None
     assert response_format_constraint({"type": "text"}) is None
     assert response_format_constraint({"type": "json_object"}) == '{"type": "object"}'
+    for strict in (None, False):  # the schema as given
+        fmt = {"type": "json_schema", "json_schema": {"name": "a_1", "schema": SCHEMA}}
+        if strict is not None:
+            fmt["json_schema"]["strict"] = strict
+        assert json.loads(response_format_constraint(fmt) or "") == SCHEMA
+    # strict: a closed schema
     fmt = {"type": "json_schema", "json_schema": {"name": "a_1", "schema": SCHEMA, "strict": True}}
-    assert json.loads(response_format_constraint(fmt) or "") == SCHEMA
+    assert json.loads(response_format_constraint(fmt) or "") == {
+        **SCHEMA,
+        "additionalProperties": False,
+    }
+    assert "additionalProperties" not in SCHEMA  # the request's schema is left alone
+
+
+# ---- strict mode: closed object schemas ----------------------------------------------------
+
+INT = {"type": "integer"}
+OPEN = {"type": "object", "properties": {"a": INT}}
+SHUT = {"type": "object", "properties": {"a": INT}, "additionalProperties": False}
+
+
+@pytest.mark.parametrize(
+    "schema,closed",
+    [
+        (OPEN, SHUT),
+        ({"type": "object"}, {"type": "object", "additionalProperties": False}),
+        ({"properties": {"a": INT}}, {"properties": {"a": INT}, "additionalProperties": False}),
+        (
+            {"type": ["object", "null"], "properties": {}},
+            {"type": ["object", "null"], "properties": {}, "additionalProperties": False},
+        ),
+        # an explicit additionalProperties is kept; a schema given there is closed inside
+        ({**OPEN, "additionalProperties": True}, {**OPEN, "additionalProperties": True}),
+        (
+            {"type": "object", "additionalProperties": OPEN},
+            {"type": "object", "additionalProperties": SHUT},
+        ),
+        # nested: properties, items (a schema or a list), prefixItems
+        (
+            {"type": "object", "properties": {"p": OPEN, "n": INT}, "required": ["p"]},
+            {
+                "type": "object",
+                "properties": {"p": SHUT, "n": INT},
+                "required": ["p"],
+                "additionalProperties": False,
+            },
+        ),
+        ({"type": "array", "items": OPEN}, {"type": "array", "items": SHUT}),
+        ({"type": "array", "items": [OPEN, INT]}, {"type": "array", "items": [SHUT, INT]}),
+        (
+            {"type": "array", "prefixItems": [OPEN], "items": {"properties": {"q": OPEN}}},
+            {
+                "type": "array",
+                "prefixItems": [SHUT],
+                "items": {"properties": {"q": SHUT}, "additionalProperties": False},
+            },
+        ),
+        # branches and definitions
+        ({"anyOf": [OPEN, INT]}, {"anyOf": [SHUT, INT]}),
+        ({"oneOf": [OPEN], "allOf": [OPEN]}, {"oneOf": [SHUT], "allOf": [SHUT]}),
+        (
+            {"$defs": {"A": OPEN}, "definitions": {"B": OPEN}, "$ref": "#/$defs/A"},
+            {"$defs": {"A": SHUT}, "definitions": {"B": SHUT}, "$ref": "#/$defs/A"},
+        ),
+        (
+            {"type": "object", "patternProperties": {"^x": OPEN}},
+            {"type": "object", "patternProperties": {"^x": SHUT}, "additionalProperties": False},
+        ),
+        # deep: objects in arrays in branches in objects
+        (
+            {"properties": {"a": {"anyOf": [{"items": {"$defs": {"D": OPEN}}}]}}},
+            {
+                "properties": {"a": {"anyOf": [{"items": {"$defs": {"D": SHUT}}}]}},
+                "additionalProperties": False,
+            },
+        ),
+        # left alone: what is no object schema, a negation, a condition, values that are data
+        ({"type": "string", "maxLength": 3}, {"type": "string", "maxLength": 3}),
+        ({"not": OPEN, "if": OPEN}, {"not": OPEN, "if": OPEN}),
+        (
+            {"enum": [{"properties": 1}], "const": {"type": "object"}, "default": OPEN},
+            {"enum": [{"properties": 1}], "const": {"type": "object"}, "default": OPEN},
+        ),
+        (True, True),
+        ({}, {}),
+    ],
+)
+def test_closed_schema(schema, closed):
+    before = copy.deepcopy(schema)
+    assert closed_schema(schema) == closed
+    assert schema == before  # a new schema; the given one is left alone
+
+
+def test_strict_schema_nested_too_deeply_is_a_400():
+    deep: dict[str, Any] = {"type": "object"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    error = api_error(strict_schema, deep, "response_format.json_schema.schema")
+    assert error.param == "response_format.json_schema.schema"
+    assert error.message == "invalid response_format.json_schema.schema: nested too deeply"
+
+
+def test_strict_functions_take_closed_arguments():
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    loose = {"type": "function", "function": {"name": "add", "parameters": OPEN, "strict": False}}
+    tools = check_tools([strict, loose])
+    closed_weather = {**WEATHER["function"]["parameters"], "additionalProperties": False}
+    assert tools == [
+        {"type": "function", "function": {**WEATHER["function"], "parameters": closed_weather}},
+        {"type": "function", "function": {"name": "add", "parameters": OPEN}},
+    ]
+    tag = structural_tag(QWEN25, tools, ToolChoice("required"))
+    assert [st["schema"] for st in tag["structures"]] == [closed_weather, OPEN]
+    # a strict function without parameters takes the empty object, closed
+    bare = check_tools([{"type": "function", "function": {"name": "f", "strict": True}}])
+    assert bare[0]["function"]["parameters"] == {**EMPTY_OBJECT, "additionalProperties": False}
 
 
 @pytest.mark.parametrize(
@@ -704,6 +821,18 @@ def test_chat_response_format(qwen_tokenizer):
     assert json.loads(params.json_schema) == SCHEMA
     _, params, _ = run_chat(qwen_tokenizer, qwen, response_format={"type": "text"}, regex="a+")
     assert params.constraint == ("regex", "a+")
+
+
+def test_chat_strict_means_a_closed_schema(qwen_tokenizer):
+    qwen = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}
+    _, params, _ = run_chat(qwen_tokenizer, qwen, response_format=fmt)
+    assert json.loads(params.json_schema) == {**SCHEMA, "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "f", "parameters": SCHEMA, "strict": True}}
+    prompt, params, _ = run_chat(qwen_tokenizer, qwen, tools=[tool], tool_choice="required")
+    closed = {**SCHEMA, "additionalProperties": False}
+    assert [st["schema"] for st in json.loads(params.structural_tag)["structures"]] == [closed]
+    assert '"additionalProperties": false' in prompt  # the model is shown what it is held to
 
 
 @pytest.mark.parametrize(

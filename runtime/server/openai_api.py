@@ -6,7 +6,8 @@ including prompt_tokens_details.cached_tokens.
 
 Output constraints: SGLang's extension fields `regex` / `json_schema` / `ebnf`, chat's
 `response_format` (json_object, json_schema) and chat's `tools` (a structural tag, see
-`tool_calls`); at most one per request, each checked before it reaches the scheduler.
+`tool_calls`); at most one per request, each checked before it reaches the scheduler. A strict
+json_schema or function holds the output to a closed schema (no properties beyond the listed).
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ from weft.runtime.server.openai_protocol import (
 )
 from weft.runtime.server.sglang_params import check_constraint, check_stop
 from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
-from weft.runtime.server.tool_calls import TOOL_NAME, ToolCallParser, ToolPlan, plan_tools
+from weft.runtime.server.tool_calls import (
+    TOOL_NAME,
+    ToolCallParser,
+    ToolPlan,
+    plan_tools,
+    strict_schema,
+)
 
 MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -84,7 +91,8 @@ def _check_model(tm: TokenizerManager, model: str | None) -> str:
 
 def response_format_constraint(fmt: Any, max_chars: int = MAX_SPEC_CHARS) -> str | None:
     """Chat's `response_format` -> the JSON schema text it asks the output to match (None: free
-    text); a 400 names the bad part."""
+    text); a strict json_schema is closed, as OpenAI's strict mode means (closed_schema). A 400
+    names the bad part."""
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -115,6 +123,8 @@ def response_format_constraint(fmt: Any, max_chars: int = MAX_SPEC_CHARS) -> str
     if not isinstance(schema, dict):
         what = "is missing" if schema is None else "must be a JSON schema object"
         raise bad_request(f"{where}.schema {what}", f"{where}.schema")
+    if strict:
+        schema = strict_schema(schema, f"{where}.schema")
     return check_constraint("json_schema", schema, f"{where}.schema", max_chars)
 
 

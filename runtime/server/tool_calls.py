@@ -133,12 +133,16 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
                     f"{where}.function.description",
                 )
             clean["description"] = description
-        clean["parameters"] = _check_parameters(fn.get("parameters"), f"{where}.function")
+        parameters = _check_parameters(fn.get("parameters"), f"{where}.function")
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise bad_request(
                 f"{where}.function.strict must be a boolean", f"{where}.function.strict"
             )
+        # the template shows the model the schema its arguments are held to
+        clean["parameters"] = (
+            strict_schema(parameters, f"{where}.function.parameters") if strict else parameters
+        )
         out.append({"type": "function", "function": clean})
     return out
 
@@ -156,6 +160,52 @@ def _check_parameters(value: Any, where: str) -> dict[str, Any]:
     except InvalidSpec as exc:
         raise bad_request(f"invalid {param}: {exc}", param) from None
     return value
+
+
+# ---- strict mode: closed object schemas -------------------------------------------------------
+
+# Where object schemas nest: maps of name -> subschema, subschemas, lists of subschemas.
+# NOTE: not `not`, `if` or `dependentSchemas`, nor `contains`: closing an object inside a
+# negation, a condition or a "some item" changes what the schema around it allows.
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def closed_schema(schema: Any) -> Any:
+    """OpenAI's strict mode: a copy of `schema` in which every object schema (type "object", or
+    no type and `properties`) that leaves `additionalProperties` unset has it false, at any
+    depth. An explicit additionalProperties is kept (object schemas inside it are closed)."""
+    if not isinstance(schema, dict):
+        return schema  # true / false, or not a schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+            value = {name: closed_schema(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [closed_schema(sub) for sub in value]
+        elif key in _SUBSCHEMAS:
+            value = closed_schema(value)
+        out[key] = value
+    kind = schema.get("type")
+    is_object = (
+        kind == "object"
+        or (isinstance(kind, list) and "object" in kind)
+        or (kind is None and "properties" in schema)
+    )
+    if is_object and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def strict_schema(schema: dict[str, Any], param: str) -> dict[str, Any]:
+    """The schema a strict response format or function holds the output to (closed_schema); a
+    400 names `param` if it is nested too deeply to walk."""
+    try:
+        closed: dict[str, Any] = closed_schema(schema)
+    except RecursionError:
+        raise bad_request(f"invalid {param}: nested too deeply", param) from None
+    return closed
 
 
 @dataclass(frozen=True)
