@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, set_bits_rows
+from weft.grammars.jump_forward import settled_tokens
 from weft.grammars.spec import GrammarSpec, parse_spec, skip_class
 from weft.grammars.vocab import TokenVocab
 
@@ -153,38 +154,18 @@ class RequestGrammar:
             return b""
         return self.matcher.jump_forward()
 
-    def jump_forward_from(self, token: int, keep_token: bool = False) -> list[int]:
-        """The just-accepted `token` plus the text the grammar forces after it, re-tokenized
-        together (so the boundary is tokenized as the tokenizer would: '"' + 'name": ' ->
-        '"name', ...). Falls back to [token] when the joint tokens do not spell the same bytes
-        or the grammar refuses them.
-
-        keep_token: `token` is already in the model's context (the overlap schedule fed it to the
-        next step before this ran), so it stays first and only the forced text is tokenized.
-        """
+    def jump_forward_from(self, token: int) -> list[int]:
+        """The just-accepted `token` plus the tokens of the text the grammar forces after it
+        that are settled (grammars/jump_forward.py: the model's token is never re-tokenized,
+        and a forced tail the model's next token could merge with is left to the model)."""
         forced = _cut_at_char(self.jump_forward(), MAX_JUMP_FORWARD_BYTES)
-        vocab = self.compiled.backend.vocab
-        if not forced or vocab.tokenizer is None:
+        if not forced:
             return [token]
-        head = vocab.token_bytes[token] or b""
-        try:
-            text = (forced if keep_token else head + forced).decode("utf-8")
-        except UnicodeDecodeError:
-            return [token]  # the forced text ends inside a character: next time
-        ids = list(vocab.tokenizer.encode(text, add_special_tokens=False))
-        if keep_token:
-            ids = [token] + ids
-        if len(ids) < 2 or vocab.text_bytes(ids) != head + forced:
+        ids = settled_tokens(self.compiled.backend.vocab, forced)
+        if not ids or not self._accept_all(ids):
             return [token]
-        new = ids[1:] if keep_token else ids
-        if not keep_token:
-            self.rollback(1)
-        if not self._accept_all(new):
-            if not keep_token:
-                self.accept(token)
-            return [token]
-        self.jump_forward_tokens += len(ids) - 1
-        return ids
+        self.jump_forward_tokens += len(ids)
+        return [token, *ids]
 
     def _accept_all(self, ids: list[int]) -> bool:
         """Accept every id, or none (rolled back)."""

@@ -16,7 +16,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 
 from transformers import PreTrainedTokenizerBase
 
@@ -49,6 +49,11 @@ class TokenVocab:
     @property
     def size(self) -> int:
         return len(self.token_bytes)
+
+    @cached_property
+    def sorted_texts(self) -> list[bytes]:
+        """Every token's text once, sorted (for prefix questions by bisection)."""
+        return sorted({b for b in self.token_bytes if b})
 
     def text_bytes(self, ids: list[int]) -> bytes:
         return b"".join(self.token_bytes[i] or b"" for i in ids)

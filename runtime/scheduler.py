@@ -376,9 +376,9 @@ class Scheduler:
                 self.output.append_token(req, token, logprob, top)
             else:
                 # NOTE: the step launched just before this read-back may have fed the token to
-                # the model already (its KV is being written): jump-forward must keep it
+                # the model already (its KV is being written)
                 fed = req.kv_len > req.seq_len  # (pending is cleared: seq_len counts no token)
-                self._append_constrained(req, token, logprob, top, fed)
+                self._append_constrained(req, token, logprob, top)
                 if fed and req.finished and req.kv_len > req.seq_len:
                     # NOTE: ended without its token (rejected, or the backend failed), which has
                     # KV already: keep it, so that release() caches as many tokens as slots
@@ -462,7 +462,6 @@ class Scheduler:
         token: int,
         logprob: float | None,
         top: list[tuple[float, int]] | None,
-        fed: bool,
     ) -> None:
         grammar: RequestGrammar = req.grammar
         jump = not self.config.disable_jump_forward and req.logprob is None
@@ -470,7 +469,7 @@ class Scheduler:
             accepted = token >= 0 and grammar.accept(token)
             tokens = [token]
             if accepted and jump and not grammar.ended:
-                tokens = grammar.jump_forward_from(token, keep_token=fed)
+                tokens = grammar.jump_forward_from(token)
         except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
             self._grammar_failed(req, exc)
             return
