@@ -11,6 +11,15 @@ import torch
 
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
 from weft.grammars.ebnf import choices_lark, ebnf_literal
+from weft.grammars.schema_keywords import (
+    LLGUIDANCE,
+    MAX_LISTED,
+    describe,
+    locate,
+    spec_oneofs_disjoint,
+    spec_refusals,
+    spec_schemas,
+)
 from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
@@ -22,6 +31,34 @@ except ImportError:  # pragma: no cover - the backend is then unavailable anyway
 # Compact JSON (", " and ": "), as the other backends produce it: a small model offered free
 # whitespace tends to spend tokens on it.
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _one_of_as_any_of(spec: GrammarSpec) -> bool:
+    """llguidance refuses a oneOf it cannot prove disjoint, unless told to read it as anyOf:
+    exact where weft proves it disjoint (a tagged union, say)."""
+    return (
+        spec.kind == "json_schema"
+        and '"oneOf"' in spec.text
+        and spec_oneofs_disjoint(spec.kind, spec.value)
+    )
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+
+
+def _located(spec: GrammarSpec, message: str) -> str:
+    """llguidance's error, with the pointers of the keywords it says it does not implement."""
+    message = message.strip().splitlines()[0][:500] if message.strip() else "invalid grammar"
+    match = _UNIMPLEMENTED.search(message)
+    if match is None:
+        return message
+    try:
+        keys = json.loads(match.group(1))
+    except ValueError:
+        return message
+    schemas = spec_schemas(spec.kind, spec.value)
+    pointers = [p for k in keys for base, s in schemas for p in locate(s, str(k), base=base)]
+    return f"{message} (at {', '.join(pointers[:MAX_LISTED])})" if pointers else message
 
 
 # llguidance spells a forced special token as 0xFF "[id]" in forced bytes
@@ -87,17 +124,32 @@ class LLGuidanceBackend(GrammarBackend):
         }
 
     def compile(self, spec: GrammarSpec) -> Any:
+        found = spec_refusals(spec.kind, spec.value, LLGUIDANCE)
+        if found:
+            raise GrammarUnsupported(describe(found))
         grammar = self._grammar(spec)
-        ok, messages = self.llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if ok:  # NOTE: the first value is is_error
-            raise GrammarUnsupported(messages[0][:500] if messages else "invalid grammar")
+        is_error, messages = self.llg.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.tokenizer
+        )
+        if is_error:
+            raise GrammarUnsupported(_located(spec, messages[0]) if messages else "invalid grammar")
+        warnings = [m for m in messages if not self._harmless(spec, m)]
+        if warnings:  # what it says it does not do, it lets through
+            raise GrammarUnsupported(f"llguidance warned: {warnings[0][:500]}")
         return grammar
+
+    @staticmethod
+    def _harmless(spec: GrammarSpec, warning: str) -> bool:
+        """A warning about nothing lost: oneOf read as anyOf where weft proved the branches
+        disjoint (and asked for it: `_json_options`)."""
+        return warning.startswith("oneOf not fully supported") and _one_of_as_any_of(spec)
 
     def _grammar(self, spec: GrammarSpec) -> str:
         M = self.llg.LLMatcher
         try:
             if spec.kind in ("json_schema", "json_object"):
-                return str(M.grammar_from_json_schema(spec.text, overrides=JSON_OPTIONS))
+                options: Any = {**JSON_OPTIONS, "coerce_one_of": _one_of_as_any_of(spec)}
+                return str(M.grammar_from_json_schema(spec.text, overrides=options))
             if spec.kind == "regex":
                 return str(M.grammar_from_regex(spec.text))
             if spec.kind == "ebnf":

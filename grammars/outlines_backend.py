@@ -12,7 +12,7 @@ import torch
 
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
 from weft.grammars.ebnf import choices_regex, regex_escape
-from weft.grammars.schema_keywords import OUTLINES_UNENFORCED, unenforced
+from weft.grammars.schema_keywords import OUTLINES, describe, spec_refusals
 from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
@@ -66,6 +66,9 @@ class OutlinesBackend(GrammarBackend):
         self.vocabulary = outlines_core.Vocabulary(vocab.end_ids[0], tokens)
 
     def compile(self, spec: GrammarSpec) -> Any:
+        found = spec_refusals(spec.kind, spec.value, OUTLINES)
+        if found:
+            raise GrammarUnsupported(describe(found))
         regex = self._regex(spec)
         try:
             return self.oc.Index(regex, self.vocabulary)
@@ -77,9 +80,6 @@ class OutlinesBackend(GrammarBackend):
             raise GrammarUnsupported("outlines-core cannot compile EBNF (context-free) grammars")
         try:
             if spec.kind in ("json_schema", "json_object"):
-                refusal = unenforced(spec.value, "outlines-core", OUTLINES_UNENFORCED)
-                if refusal:
-                    raise GrammarUnsupported(refusal)
                 return str(self.regex_from_schema(spec.text))
             if spec.kind == "regex":
                 return spec.text
