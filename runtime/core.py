@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from weft.runtime.messages.common import GrammarReport
 from weft.runtime.sampling_params import SamplingParams
 
 # NOTE: the scheduler names the requests it makes for an n > 1 request (its samples, the shared
@@ -110,14 +111,11 @@ class Req:
     first_token_at: float | None = None
     finished_at: float | None = None
 
-    def grammar_meta(self) -> dict[str, Any]:
-        """What meta_info reports of constrained decoding (empty for unconstrained requests)."""
+    def grammar_report(self) -> GrammarReport | None:
+        """What meta_info reports of constrained decoding (None: no grammar, or not compiled)."""
         if self.grammar is None:
-            return {}
-        return {
-            "grammar_backend": self.grammar.backend_name,
-            "jump_forward_tokens": self.grammar.jump_forward_tokens,
-        }
+            return None
+        return GrammarReport(self.grammar.backend_name, self.grammar.jump_forward_tokens)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -71,6 +71,7 @@ class Detokenizer:
             finish_reason=u.finish.reason if u.finish is not None else None,
             output_logprobs=u.output_logprobs,
             input_logprobs=u.input_logprobs,
+            grammar=u.grammar,
         )
 
     @staticmethod

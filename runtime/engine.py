@@ -471,7 +471,7 @@ class Engine:
         if pending is None:
             return
         if pending.on_update is not None and (req.finished or not pending.final_only):
-            chunk = request_output(req, self.tokenizer, key)
+            chunk = request_output(req, key)
             if req.decoder is not None:  # without a held-back stop-string prefix
                 chunk["text"] = req.decoder.text[: req.sent_len]
             if not self._notify(pending, chunk):
@@ -525,7 +525,7 @@ class Engine:
                 error = ValueError if r.finish.status < 500 else RuntimeError
                 raise error(r.finish.message)
         return [
-            request_output(r, self.tokenizer, r.group_rid or r.rid)
+            request_output(r, r.group_rid or r.rid)
             for r in sorted(pending.reqs, key=lambda r: r.index)
         ]
 

@@ -1,35 +1,104 @@
-"""The result of a request in SGLang's shape: text, output_ids and meta_info."""
+"""A sample's result in SGLang's shape: text, output_ids and meta_info.
+
+NOTE: `meta_info` is the one builder of meta_info for both paths: the in-process Engine reads the
+values off its `Req` (`request_output`), the server off what the scheduler reported through the
+detokenizer (`TokenUpdate` -> `TextUpdate` -> the tokenizer manager's `Sample`). A value the
+scheduler knows reaches the server only if those messages carry it.
+
+| key                   | value                                                                |
+|-----------------------|----------------------------------------------------------------------|
+| id                    | the rid the caller knows (its own, or one made for it)               |
+| index                 | which of the request's n samples                                     |
+| prompt_tokens         | tokens of the prompt                                                 |
+| completion_tokens     | output tokens so far (an end token that stopped the sample included) |
+| cached_tokens         | prompt tokens served from the prefix cache                           |
+| finish_reason         | None while running; {"type": "stop", "matched": id or string},       |
+|                       | {"type": "length"} or {"type": "abort", "message"[, "status_code"]}  |
+| e2e_latency           | seconds from the request's arrival to its finish (None while running)|
+| grammar_backend       | constrained requests only, once their grammar compiled: the backend  |
+|                       | serving the constraint                                               |
+| jump_forward_tokens   | with grammar_backend: tokens appended without a forward step         |
+| output_token_logprobs | return_logprob only: (logprob, id, text) per output token            |
+| output_top_logprobs   | return_logprob only: per output token, (logprob, id, text) per       |
+|                       | alternative, None without alternatives (top_logprobs_num 0)          |
+| input_token_logprobs  | return_logprob only: per prompt position from logprob_start_len ([]  |
+| input_top_logprobs    | for -1); the first prompt token has logprob None and no alternatives |
+
+`text` in logprob entries is None unless the server is asked for it (return_text_in_logprobs).
+Each side times e2e_latency itself: the Engine from the request's `Req` (built once the prompt is
+tokenized), the server from its submission to the scheduler (likewise after tokenizing).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
-
 from weft.runtime.core import Req
+from weft.runtime.messages.common import GrammarReport, LogprobEntry
+
+TokenText = Callable[[int], str | None]
 
 
-def request_output(req: Req, tokenizer: PreTrainedTokenizerBase | None, rid: str) -> dict[str, Any]:
-    end = req.finished_at if req.finished_at is not None else None
+def meta_info(
+    rid: str,
+    index: int,
+    *,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    finish_reason: dict[str, Any] | None,
+    e2e_latency: float | None,
+    grammar: GrammarReport | None,
+    logprobs: tuple[Sequence[LogprobEntry], Sequence[LogprobEntry]] | None,
+    token_text: TokenText | None = None,
+) -> dict[str, Any]:
+    """A sample's meta_info (see the module docstring). logprobs: (output, input) entries, None
+    when the request asked for none."""
     meta: dict[str, Any] = {
         "id": rid,
-        "index": req.index,
-        "prompt_tokens": len(req.input_ids),
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": req.cached_tokens,
-        "finish_reason": req.finish.to_dict() if req.finish else None,
-        "e2e_latency": (end - req.created) if end is not None else None,
-        **req.grammar_meta(),
+        "index": index,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
+        "finish_reason": finish_reason,
+        "e2e_latency": e2e_latency,
     }
-    if req.logprob is not None:
-        meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid, _ in req.output_logprobs]
-        meta["output_top_logprobs"] = [_top(top) for _, _, top in req.output_logprobs]
-        if req.logprob.start_len >= 0:
-            meta["input_token_logprobs"] = [(lp, tid, None) for lp, tid, _ in req.input_logprobs]
-            meta["input_top_logprobs"] = [_top(top) for _, _, top in req.input_logprobs]
+    if grammar is not None:
+        meta["grammar_backend"] = grammar.backend
+        meta["jump_forward_tokens"] = grammar.jump_forward_tokens
+    if logprobs is not None:
+        text = token_text or _no_text
+        outputs, inputs = logprobs
+        meta["output_token_logprobs"] = [(e[0], e[1], text(e[1])) for e in outputs]
+        meta["output_top_logprobs"] = [_top(e, text) for e in outputs]
+        meta["input_token_logprobs"] = [(e[0], e[1], text(e[1])) for e in inputs]
+        meta["input_top_logprobs"] = [_top(e, text) for e in inputs]
+    return meta
+
+
+def request_output(req: Req, rid: str) -> dict[str, Any]:
+    """The in-process Engine's result of one sample (`rid`: the one its caller knows)."""
+    meta = meta_info(
+        rid,
+        req.index,
+        prompt_tokens=len(req.input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        finish_reason=req.finish.to_dict() if req.finish else None,
+        e2e_latency=req.finished_at - req.created if req.finished_at is not None else None,
+        grammar=req.grammar_report(),
+        logprobs=None if req.logprob is None else (req.output_logprobs, req.input_logprobs),
+    )
     text = req.decoder.text if req.decoder is not None else ""
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 
-def _top(entries: list[tuple[float, int]]) -> list[tuple[float, int, None]]:
-    return [(lp, tid, None) for lp, tid in entries]
+def _top(entry: LogprobEntry, text: TokenText) -> list[tuple[float, int, str | None]] | None:
+    if not entry[2]:
+        return None
+    return [(lp, tid, text(tid)) for lp, tid in entry[2]]
+
+
+def _no_text(tid: int) -> None:
+    return None

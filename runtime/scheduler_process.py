@@ -188,6 +188,7 @@ class SchedulerService:
             index=req.index,
             new_ids=new_ids,
             cached_tokens=req.cached_tokens,
+            grammar=req.grammar_report(),
         )
         if req.logprob is not None:
             out.output_logprobs = list(req.output_logprobs[progress.logprobs_sent :])

@@ -7,7 +7,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from weft.runtime.detokenizer_process import Detokenizer
+from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as msg
+from weft.runtime.messages.common import GrammarReport
 from weft.runtime.server.sglang_params import parse_sampling_params
 
 from conftest import fixture_path
@@ -61,6 +63,19 @@ def test_a_stop_string_cut_and_hold_back(tokenizer):
     assert "".join(deltas) == "one two"
     # while running, the last len(stop) - 1 characters were never sent
     assert len("".join(deltas[:-1])) <= len(tokenizer.decode(ids[:-1])) - (len(" three") - 1)
+
+
+def test_what_meta_info_reports_passes_through(tokenizer):
+    """Counts, finish reason and grammar report reach the tokenizer manager as the scheduler
+    sent them (the server builds meta_info from these), msgpack round trip included."""
+    report = GrammarReport("xgrammar", 3)
+    logprobs = [(-0.5, 100, [(-0.5, 100), (-1.5, 7)])]
+    update = msg.TokenUpdate("r", "caller", 1, [100], 5, LENGTH, logprobs, None, report)
+    step = Detokenizer(tokenizer).step(msg.Step([msg.DecodeStart("r", True, True, 0)], [update]))
+    out = to_tm.decoder.decode(to_tm.encoder.encode(step)).updates[0]
+    assert (out.rid, out.index, out.new_ids, out.cached_tokens) == ("caller", 1, [100], 5)
+    assert out.finish_reason == {"type": "length"} and out.grammar == report
+    assert out.output_logprobs == logprobs and out.input_logprobs is None
 
 
 def test_sglang_nulls_and_spellings():

@@ -44,7 +44,7 @@ def test_prompt_logprobs_match_hf(pair):
         )
         ref = hf_logprobs(hf, prompt)
         tops = out["meta_info"]["input_top_logprobs"]
-        assert len(tops) == len(prompt) and tops[0] == []
+        assert len(tops) == len(prompt) and tops[0] is None  # nothing predicts the first token
         for pos in range(1, len(prompt)):
             ours = torch.zeros(VOCAB, dtype=torch.float64)
             for lp, tid, _ in tops[pos]:

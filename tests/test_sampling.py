@@ -155,7 +155,7 @@ def test_output_logprobs_with_top_alternatives(engine):
     ):
         assert len(top) == 3 and top[0][1] == tid and top[0][0] == pytest.approx(lp)
         assert top[0][0] >= top[1][0] >= top[2][0]
-    assert "input_token_logprobs" not in meta
+    assert meta["input_token_logprobs"] == meta["input_top_logprobs"] == []  # start_len -1
 
 
 def test_stream_chunks_end_with_the_final_text(engine):

@@ -11,6 +11,13 @@ import msgspec
 LogprobEntry = tuple[float | None, int, list[tuple[float, int]]]
 
 
+class GrammarReport(msgspec.Struct, array_like=True):
+    """A constrained request's decoding so far, as meta_info reports it (`weft.runtime.results`)."""
+
+    backend: str  # the grammar backend that serves the request's constraint
+    jump_forward_tokens: int  # tokens appended without a forward step of their own
+
+
 class ModelInfo(msgspec.Struct):
     """What the scheduler knows once the model is loaded; the server validates requests with it."""
 

@@ -8,7 +8,14 @@ from typing import Any
 
 import msgspec
 
-from weft.runtime.messages.common import Fatal, Heartbeat, LogprobEntry, Ready, Reply
+from weft.runtime.messages.common import (
+    Fatal,
+    GrammarReport,
+    Heartbeat,
+    LogprobEntry,
+    Ready,
+    Reply,
+)
 
 
 class TextUpdate(msgspec.Struct, array_like=True):
@@ -20,6 +27,7 @@ class TextUpdate(msgspec.Struct, array_like=True):
     finish_reason: dict[str, Any] | None = None
     output_logprobs: list[LogprobEntry] = []
     input_logprobs: list[LogprobEntry] | None = None
+    grammar: GrammarReport | None = None
 
 
 class TextStep(msgspec.Struct, tag="text"):

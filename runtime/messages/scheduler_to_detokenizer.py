@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from weft.runtime.messages.common import Fatal, LogprobEntry, Ready, Reply
+from weft.runtime.messages.common import Fatal, GrammarReport, LogprobEntry, Ready, Reply
 
 
 class DecodeStart(msgspec.Struct, array_like=True):
@@ -35,6 +35,7 @@ class TokenUpdate(msgspec.Struct, array_like=True):
     finish: Finish | None = None
     output_logprobs: list[LogprobEntry] = []  # entries of new_ids
     input_logprobs: list[LogprobEntry] | None = None  # on the first update, when asked for
+    grammar: GrammarReport | None = None  # constrained requests: on every update
 
 
 class Step(msgspec.Struct, tag="step"):

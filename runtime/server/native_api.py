@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from weft.grammars.spec import parse_off_loop
-from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
+from weft.runtime.results import meta_info
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import is_admin, tenant_of
 from weft.runtime.server.sglang_params import parse_sampling_params
@@ -191,40 +191,19 @@ def sample_output(
     tm: TokenizerManager, state: ReqState, i: int, text_in_logprobs: bool
 ) -> dict[str, Any]:
     s = state.samples[i]
-    meta: dict[str, Any] = {
-        "id": state.rid,
-        "index": i,
-        "prompt_tokens": state.prompt_tokens,
-        "completion_tokens": len(s.output_ids),
-        "cached_tokens": s.cached_tokens,
-        "finish_reason": s.finish_reason,
-        "e2e_latency": (s.finished_at - state.created) if s.finished_at is not None else None,
-    }
-    if state.want_logprobs:
-        fmt = _LogprobFormat(tm, text_in_logprobs)
-        meta["output_token_logprobs"] = [fmt.entry(e) for e in s.output_logprobs]
-        meta["output_top_logprobs"] = [fmt.top(e) for e in s.output_logprobs]
-        inputs = s.input_logprobs or []
-        meta["input_token_logprobs"] = [fmt.entry(e) for e in inputs]
-        meta["input_top_logprobs"] = [fmt.top(e) for e in inputs]
+    meta = meta_info(
+        state.rid,
+        i,
+        prompt_tokens=state.prompt_tokens,
+        completion_tokens=len(s.output_ids),
+        cached_tokens=s.cached_tokens,
+        finish_reason=s.finish_reason,
+        e2e_latency=(s.finished_at - state.created) if s.finished_at is not None else None,
+        grammar=s.grammar,
+        logprobs=(s.output_logprobs, s.input_logprobs or []) if state.want_logprobs else None,
+        token_text=tm.token_text if text_in_logprobs else None,
+    )
     return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
-
-
-class _LogprobFormat:
-    def __init__(self, tm: TokenizerManager, with_text: bool) -> None:
-        self.tm = tm
-        self.with_text = with_text
-
-    def _text(self, tid: int) -> str | None:
-        return self.tm.token_text(tid) if self.with_text else None
-
-    def entry(self, e: LogprobEntry) -> tuple[float | None, int, str | None]:
-        return (e[0], e[1], self._text(e[1]))
-
-    def top(self, e: LogprobEntry) -> list[tuple[float, int, str | None]] | None:
-        if not e[2]:
-            return None
-        return [(lp, tid, self._text(tid)) for lp, tid in e[2]]
 
 
 async def client_gone(request: Request) -> None:

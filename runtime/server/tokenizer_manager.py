@@ -33,7 +33,15 @@ from weft.runtime.ipc import exit_status
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
-from weft.runtime.messages.common import Fatal, Heartbeat, LogprobEntry, ModelInfo, Ready, Reply
+from weft.runtime.messages.common import (
+    Fatal,
+    GrammarReport,
+    Heartbeat,
+    LogprobEntry,
+    ModelInfo,
+    Ready,
+    Reply,
+)
 from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from weft.runtime.server.errors import ApiError, bad_request, error_kind
 from weft.runtime.server.metrics import ServerMetrics
@@ -62,6 +70,7 @@ class Sample:
     cached_tokens: int = 0
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_logprobs: list[LogprobEntry] | None = None
+    grammar: GrammarReport | None = None  # constrained requests: as of the last update
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
@@ -636,6 +645,8 @@ class TokenizerManager:
                 sample.output_logprobs.extend(u.output_logprobs)
             if u.input_logprobs is not None:
                 sample.input_logprobs = u.input_logprobs
+            if u.grammar is not None:
+                sample.grammar = u.grammar
             sample.dirty = True
             if u.finish_reason is not None:
                 sample.finish_reason = u.finish_reason
