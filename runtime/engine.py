@@ -402,8 +402,7 @@ class Engine:
                 kind, payload = inbox.pop(0)
                 self._handle(kind, payload)
             if self.scheduler.has_work:
-                for req in self.scheduler.step():
-                    self._dispatch(req)
+                self._dispatch(self.scheduler.step())
         except BaseException as exc:
             logger.exception("engine step failed")
             with self._cv:
@@ -464,22 +463,32 @@ class Engine:
                 box["error"] = exc
             done.set()
 
-    def _dispatch(self, req: Req) -> None:
-        """Hand a request's progress to its caller (on the engine thread, right after a step)."""
-        key = req.group_rid or req.rid
-        pending = self._pending.get(key)
-        if pending is None:
-            return
-        if pending.on_update is not None and (req.finished or not pending.final_only):
-            chunk = request_output(req, key)
-            if req.decoder is not None:  # without a held-back stop-string prefix
-                chunk["text"] = req.decoder.text[: req.sent_len]
-            if not self._notify(pending, chunk):
-                # the caller went away (its event loop closed): stop generating for it
-                del self._pending[key]
-                self.scheduler.abort(key)
-                return
-        if pending.finished:
+    def _dispatch(self, reqs: list[Req]) -> None:
+        """Hand a step's progress to the callers (on the engine thread, right after the step).
+
+        NOTE: a request ends only after every update of the step went out: the samples of an
+        n > 1 request that finish in the same step each send their last chunk first."""
+        ended: dict[str, _Pending] = {}
+        for req in reqs:
+            key = req.group_rid or req.rid
+            pending = self._pending.get(key)
+            if pending is None:
+                continue
+            if pending.on_update is not None and (req.finished or not pending.final_only):
+                chunk = request_output(req, key)
+                if req.decoder is not None:  # without a held-back stop-string prefix
+                    chunk["text"] = req.decoder.text[: req.sent_len]
+                if not pending.final_only:  # a stream chunk, as the server's: which sample
+                    chunk["index"] = req.index
+                if not self._notify(pending, chunk):
+                    # the caller went away (its event loop closed): stop generating for it
+                    del self._pending[key]
+                    ended.pop(key, None)
+                    self.scheduler.abort(key)
+                    continue
+            if pending.finished:
+                ended[key] = pending
+        for key, pending in ended.items():
             del self._pending[key]
             self._notify(pending, None)
             pending.done.set()
