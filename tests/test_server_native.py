@@ -3,6 +3,7 @@ scoring, aborts, concurrency, and the info / health routes."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import threading
@@ -89,6 +90,162 @@ def test_stream_ends_with_the_non_stream_text(server, params):
         assert chunks[-1]["output_ids"] == full["output_ids"]
         assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
         assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+# meta_info: the same keys from the Engine and the server (one builder: runtime/results.py)
+META_KEYS = {
+    "id",
+    "index",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "finish_reason",
+    "e2e_latency",
+}
+GRAMMAR_KEYS = {"grammar_backend", "jump_forward_tokens"}
+LOGPROB_KEYS = {
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "input_token_logprobs",
+    "input_top_logprobs",
+}
+AGREE = ["id", "index", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"]
+CONSTRAINTS = {
+    "unconstrained": {},
+    "regex": {"regex": REGEX},
+    "json_schema": {"json_schema": json.dumps(SCHEMA)},
+}
+
+
+def _engine_stream(engine, prompt, params, **kwargs):
+    async def run():
+        return [c async for c in engine.generate_stream(prompt, params, **kwargs)]
+
+    return asyncio.run(run())
+
+
+def _same_meta(got, want, keys):
+    """The server's meta_info (`got`) against the Engine's: the same keys, the same values but
+    for the latency (each side times itself)."""
+    assert set(got) == set(want) == keys
+    compared = keys & {*AGREE, *GRAMMAR_KEYS}
+    assert {k: got[k] for k in compared} == {k: want[k] for k in compared}
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS)
+def test_meta_info_equals_the_in_process_engines(server, engine, schedule, constraint):
+    params = {**GREEDY, **CONSTRAINTS[constraint]}
+    keys = META_KEYS | (GRAMMAR_KEYS if constraint != "unconstrained" else set())
+    # a fresh prefix-cache namespace on both sides: no hit at first, then all but the last token
+    salt = rid = f"meta-{constraint}-{schedule}"
+    want = engine.generate(PROMPTS[1], params, rid=rid, namespace=salt)
+    got = server.generate(
+        {"text": PROMPTS[1], "sampling_params": params, "rid": rid, "cache_salt": salt}
+    )
+    assert got["output_ids"] == want["output_ids"]
+    _same_meta(got["meta_info"], want["meta_info"], keys)
+    meta = got["meta_info"]
+    assert meta["id"] == rid and meta["index"] == 0 and meta["cached_tokens"] == 0
+    assert meta["completion_tokens"] == len(got["output_ids"]) > 0
+    assert meta["e2e_latency"] > 0 and want["meta_info"]["e2e_latency"] > 0
+    if constraint != "unconstrained":
+        assert meta["grammar_backend"] == "xgrammar"
+        assert 0 < meta["jump_forward_tokens"] < meta["completion_tokens"]
+
+    chunks = _engine_stream(engine, PROMPTS[1], params, rid=rid, namespace=salt)
+    events = list(
+        server.stream(
+            "/generate",
+            {
+                "text": PROMPTS[1],
+                "sampling_params": params,
+                "rid": rid,
+                "cache_salt": salt,
+                "stream": True,
+            },
+        )
+    )
+    assert events[-1] == "[DONE]"
+    for chunk in [*chunks, *events[:-1]]:  # every chunk, both sides: the same shape
+        assert set(chunk) == {"text", "output_ids", "meta_info", "index"}
+        assert chunk["index"] == 0 and set(chunk["meta_info"]) == keys
+    for chunk in [*chunks[:-1], *events[:-2]]:
+        assert chunk["meta_info"]["finish_reason"] is None
+        assert chunk["meta_info"]["e2e_latency"] is None
+    last, want_last = events[-2], chunks[-1]
+    assert last["output_ids"] == want_last["output_ids"] == want["output_ids"]
+    _same_meta(last["meta_info"], want_last["meta_info"], keys)
+    assert last["meta_info"]["cached_tokens"] == last["meta_info"]["prompt_tokens"] - 1
+    assert {k: last["meta_info"][k] for k in keys - {"cached_tokens", "e2e_latency"}} == {
+        k: meta[k] for k in keys - {"cached_tokens", "e2e_latency"}
+    }
+
+
+@pytest.mark.parametrize(
+    "logprobs",
+    [
+        {"return_logprob": True},  # output tokens only
+        {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2},
+    ],
+)
+def test_logprob_meta_info_equals_the_in_process_engines(server, engine, logprobs):
+    params = {"temperature": 0, "max_new_tokens": 6, "n": 2}
+    prompt = "The old tree"
+    want = engine.generate(prompt, params, **logprobs)
+    got = server.generate({"text": prompt, "sampling_params": params, **logprobs})
+    assert len(got) == len(want) == 2
+    with_top = logprobs.get("top_logprobs_num", 0) > 0
+    for g, w in zip(got, want, strict=True):
+        gm, wm = g["meta_info"], w["meta_info"]
+        assert set(gm) == set(wm) == META_KEYS | LOGPROB_KEYS
+        for key in ("index", "completion_tokens", "finish_reason"):
+            assert gm[key] == wm[key], key
+        for key in LOGPROB_KEYS:
+            assert len(gm[key]) == len(wm[key]), key
+            for g_entry, w_entry in zip(gm[key], wm[key], strict=True):
+                _same_logprob_entry(g_entry, w_entry, top=key.endswith("top_logprobs"))
+        if logprobs.get("logprob_start_len", -1) < 0:
+            assert gm["input_token_logprobs"] == gm["input_top_logprobs"] == []
+        else:
+            assert len(gm["input_token_logprobs"]) == gm["prompt_tokens"]
+            assert gm["input_token_logprobs"][0][0] is None and gm["input_top_logprobs"][0] is None
+        assert all((top is not None) == with_top for top in gm["output_top_logprobs"])
+
+    # async_generate gives generate's result; the streams' last chunks carry the same logprobs
+    awaited = asyncio.run(engine.async_generate(prompt, params, **logprobs))
+    assert isinstance(awaited, list) and len(awaited) == 2  # both samples end in one step
+    assert [o["output_ids"] for o in awaited] == [o["output_ids"] for o in want]
+    assert [set(o["meta_info"]) for o in awaited] == [set(o["meta_info"]) for o in want]
+    chunks = _engine_stream(engine, prompt, params, **logprobs)
+    events = list(
+        server.stream(
+            "/generate", {"text": prompt, "sampling_params": params, **logprobs, "stream": True}
+        )
+    )
+    for i in range(2):
+        w_last = [c for c in chunks if c["index"] == i][-1]["meta_info"]
+        g_last = [e for e in events[:-1] if e["index"] == i][-1]["meta_info"]
+        assert set(g_last) == set(w_last) == META_KEYS | LOGPROB_KEYS
+        assert g_last["finish_reason"] == w_last["finish_reason"] == {"type": "length"}
+        for key in LOGPROB_KEYS:
+            assert len(g_last[key]) == len(w_last[key]), key
+            for g_entry, w_entry in zip(g_last[key], w_last[key], strict=True):
+                _same_logprob_entry(g_entry, w_entry, top=key.endswith("top_logprobs"))
+
+
+def _same_logprob_entry(got, want, top: bool) -> None:
+    """A server entry (JSON lists) against the Engine's (tuples): the same ids, no text, the
+    same logprobs within float noise; a top entry is None on both or a list on both."""
+    if top:
+        assert (got is None) == (want is None)
+        for g, w in zip(got or [], want or [], strict=True):
+            _same_logprob_entry(g, w, top=False)
+        return
+    assert isinstance(want, tuple) and len(got) == len(want) == 3
+    assert got[1:] == [want[1], None] and want[2] is None
+    assert (got[0] is None) == (want[0] is None)
+    if got[0] is not None:
+        assert got[0] == pytest.approx(want[0], abs=1e-4)
 
 
 def test_batch_of_texts_keeps_order_and_per_prompt_params(server):
