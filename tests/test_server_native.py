@@ -37,9 +37,7 @@ def server(stories_dir, schedule):
 
 @pytest.fixture(scope="module")
 def engine(stories_dir, schedule):
-    # NOTE: the same schedule as the server: with jump-forward, the overlap schedule keeps a
-    # sampled token the next step has fed already where the plain one re-tokenizes it with the
-    # forced text, so a constrained output differs between the two schedules (issue 16)
+    # the same schedule as the server
     eng = make_engine(
         stories_dir,
         max_total_tokens=4096,
