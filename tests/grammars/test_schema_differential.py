@@ -53,6 +53,8 @@ class Entry:
     examples: list[Any] = field(default_factory=list)  # valid instances, besides generated ones
     generate: bool = True  # hypothesis-jsonschema can generate instances
     refusals: list[str] = field(default_factory=list)  # each backend's reason, when refused
+    # invalid instances, besides the mutations (which hypothesis versions draw differently)
+    invalid: list[Any] = field(default_factory=list)
 
 
 PERSON = {
@@ -216,6 +218,7 @@ CORPUS = [
         {"type": "string", "format": "date-time", "maxLength": 20},
         "llguidance",
         ["2024-01-05T10:00:00Z"],
+        invalid=["2024-01-05T10:00:00.000Z", "2024-01-05", "hello", 3],
     ),
     Entry(
         "patternProperties",
@@ -284,7 +287,13 @@ CORPUS = [
         {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 2},
         "llguidance",
     ),
-    Entry("typeless", {"minLength": 2, "minimum": 3}, "llguidance", ["ab", 3, None]),
+    Entry(
+        "typeless",
+        {"minLength": 2, "minimum": 3},
+        "llguidance",
+        ["ab", 3, None],
+        invalid=["a", "", 2, -1.5],
+    ),
     Entry(
         "enum-beside-keywords",
         {"type": "string", "enum": ["ab", "abc", 1], "maxLength": 2},
@@ -746,6 +755,9 @@ def test_the_served_grammar_accepts_exactly_the_valid_instances(chains, tokenize
     run()
     for example in entry.examples:
         check(example)
+    for counter in entry.invalid:
+        assert not texts.valid(counter), counter
+        check(counter)
     # both verdicts were met (mutations make invalid instances, the generator valid ones)
     assert seen[True] >= 3 and seen[False] >= 3, seen
 
