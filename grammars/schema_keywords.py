@@ -23,6 +23,8 @@ backend that serves it in the default chain (xgr, llg), or a 400 (every backend 
 | format + minLength/maxLength      | weakened (warns)   | enforced    | weakened (fmt) | llg      |
 | minLength/maxLength alone         | weakened: raw      | enforced    | enforced       | xgr, as  |
 |                                   | control characters |             |                | pattern  |
+| pattern repeating {m,n}, n-m>127  | weakened: raw '"', | enforced    | refused        | llg      |
+|                                   | '\\' in the string |             |                |          |
 | lookahead in a pattern            | weakened (warns)   | refused     | refused        | 400      |
 | lookbehind, backreference, \\b    | refused            | refused     | refused        | 400      |
 | ^ or $ inside a pattern or regex  | weakened (warns)   | refused     | refused        | 400      |
@@ -604,11 +606,17 @@ def _failing(root: Any, schema: dict[str, Any], values: list[Any]) -> list[Any]:
 
 
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
+_BOUNDED = re.compile(r"\{(\d+),(\d+)\}")
+# NOTE: xgrammar 0.2.8 compiles a repetition {m,n} with n - m >= 128 inside a JSON string's
+# pattern without the string's escaping: '"', '\\' and control characters pass raw through a
+# "." or a negated class repeated so, and the output is not JSON ({"q": "a"b"}). Measured: the
+# widest width that stays exact is 127.
+WIDEST_EXACT_REPEAT = 127
 
 
 def regex_features(pattern: str) -> set[str]:
     """The features of a pattern xgrammar ignores: "lookaround", "inner anchor" (a ^ or $ not
-    at the start or the end of the whole pattern)."""
+    at the start or the end of the whole pattern), "repetition {m,n}" (escaping, see above)."""
     found: set[str] = set()
     i, end = 0, len(pattern)
     while i < end:
@@ -623,6 +631,10 @@ def regex_features(pattern: str) -> set[str]:
             found.add("lookaround")
         elif (c == "^" and i != 0) or (c == "$" and i != end - 1):
             found.add("inner anchor")
+        elif c == "{" and (bounded := _BOUNDED.match(pattern, i)):
+            low, high = int(bounded[1]), int(bounded[2])
+            if high - low > WIDEST_EXACT_REPEAT:
+                found.add(f"JSON escaping of the repetition {bounded[0]}")
         i += 1
     return found
 

@@ -142,14 +142,20 @@ def _schema_text(spec: GrammarSpec) -> str:
     return spec.text if schema is value else json.dumps(schema)
 
 
+# one character of a JSON string written unescaped
+JSON_CHAR = '[^"\\\\\\x00-\\x1f]'
+
+
 def exact_lengths(schema: Any) -> Any:
     """The schema with each string's minLength/maxLength (no pattern or format beside them) as
-    the pattern `^.{min,max}$`: the same strings, which xgrammar then matches exactly (the
+    the pattern `^[^"\\\x00-\x1f]{min,max}$`: the same strings, which xgrammar then matches exactly (the
     schema itself when there is none).
 
     NOTE: xgrammar compiles a length-bounded string to `[^"\\\r\n]{min,max}`, which lets raw
-    control characters (a tab, \x01) into the string: the output is not JSON. Its patterns
-    allow only JSON's unescaped characters (no escapes at all: stricter, not weaker).
+    control characters (a tab, \x01) into the string: the output is not JSON. The class is
+    spelled out, not ".": xgrammar drops a string's escaping inside a repetition wider than
+    127 (schema_keywords.WIDEST_EXACT_REPEAT), which would let a raw '"' end the string early.
+    No escapes at all: stricter, not weaker.
     """
     if not isinstance(schema, dict):
         return schema
@@ -164,7 +170,7 @@ def exact_lengths(schema: Any) -> Any:
         if not strings or not lengths or "pattern" in node or "format" in node:
             return node
         low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-        node["pattern"] = f"^.{{{low},{high}}}$"
+        node["pattern"] = f"^{JSON_CHAR}{{{low},{high}}}$"
         changed = True
         return node
 

@@ -200,7 +200,27 @@ CORPUS = [
         "llguidance",
         [{"kind": "square", "side": 2, "label": "abc"}],
     ),
+    # a length range wider than 127: xgrammar gets a spelled-out class, not "."
+    Entry(
+        "long-query",
+        {
+            "type": "object",
+            "properties": {"q": {"type": "string", "minLength": 1, "maxLength": 200}},
+            "required": ["q"],
+            "additionalProperties": False,
+        },
+        "xgrammar",
+        [{"q": "Apple iPhone"}],
+        invalid=[{"q": ""}, {"q": "a" * 201}],
+    ),
     # xgrammar would weaken these: llguidance serves them
+    Entry(
+        "wide-repetition-pattern",
+        {"type": "string", "pattern": "^.{1,200}$"},
+        "llguidance",
+        ['say "hi"', "a\\b"],
+        invalid=["", "a" * 201],
+    ),
     Entry(
         "pattern-and-lengths",
         {"type": "string", "pattern": "^[a-z]+$", "minLength": 3, "maxLength": 5},
@@ -701,12 +721,12 @@ def mutated(draw: Any, instance: Any, schema: Any) -> Any:
 
 @st.composite
 def raw_control(draw: Any, text: str) -> str | None:
-    """The text with a raw control character put into one of its strings (not JSON)."""
+    """The text with a raw control character or quote put into one of its strings (not JSON)."""
     strings = [m.start() + 1 for m in re.finditer(r'"(?:[^"\\]|\\.)*"', text)]
     if not strings:
         return None
     at = draw(st.sampled_from(strings))
-    return text[:at] + draw(st.sampled_from(["\t", "\x01", "\x1f"])) + text[at:]
+    return text[:at] + draw(st.sampled_from(["\t", "\x01", "\x1f", '"'])) + text[at:]
 
 
 # ---- the tests -------------------------------------------------------------------------------

@@ -107,6 +107,10 @@ def test_oneof_disjoint(branches, disjoint):
         ("a^b", {"inner anchor"}),
         ("a|^b", {"inner anchor"}),
         ("a$|b", {"inner anchor"}),
+        ("^.{1,128}$", set()),
+        ("^.{1,129}$", {"JSON escaping of the repetition {1,129}"}),
+        (r"^\{1,200}[a-z]{3,200}$", {"JSON escaping of the repetition {3,200}"}),
+        ("^[{1,200}]$", set()),
     ],
 )
 def test_regex_features(pattern, features):
@@ -114,7 +118,7 @@ def test_regex_features(pattern, features):
 
 
 def test_exact_lengths_rewrites_only_plain_length_bounded_strings():
-    from weft.grammars.xgrammar_backend import exact_lengths
+    from weft.grammars.xgrammar_backend import JSON_CHAR, exact_lengths
 
     schema = {
         "type": "object",
@@ -129,16 +133,16 @@ def test_exact_lengths_rewrites_only_plain_length_bounded_strings():
     }
     rewritten = exact_lengths(schema)
     properties = rewritten["properties"]
-    assert properties["a"] == {"type": "string", "pattern": "^.{1,4}$"}
+    assert properties["a"] == {"type": "string", "pattern": f"^{JSON_CHAR}{{1,4}}$"}
     assert properties["b"] == {
         "type": ["string", "null"],
         "enum": ["x", None],
-        "pattern": "^.{0,2}$",
+        "pattern": f"^{JSON_CHAR}{{0,2}}$",
     }
     assert properties["c"] == schema["properties"]["c"]  # refused beside a format instead
     assert properties["d"] == schema["properties"]["d"]  # not a string
-    assert rewritten["propertyNames"] == {"pattern": "^.{1,}$"}  # keys are strings
-    assert rewritten["$defs"]["e"] == {"type": "string", "pattern": "^.{5,}$"}
+    assert rewritten["propertyNames"] == {"pattern": f"^{JSON_CHAR}{{1,}}$"}  # keys are strings
+    assert rewritten["$defs"]["e"] == {"type": "string", "pattern": f"^{JSON_CHAR}{{5,}}$"}
     assert schema["properties"]["a"]["maxLength"] == 4  # a copy
     plain = {"type": "object", "properties": {"n": {"type": "integer"}}}
     assert exact_lengths(plain) is plain
