@@ -81,6 +81,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from weft.grammars.spec import resolve_pointer
+
 # Keywords that never constrain an instance.
 ANNOTATIONS = frozenset(
     {
@@ -276,16 +278,8 @@ def resolve_ref(
     fragment = unquote(ref[1:])
     if fragment and not fragment.startswith("/"):
         return (anchors if anchors is not None else _anchors(root)).get(fragment)
-    node = root
-    for part in fragment.split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return fragment, node
+    node = resolve_pointer(root, fragment)
+    return None if node is None else (fragment, node)
 
 
 def _anchors(root: Any) -> dict[str, tuple[str, Any]]:

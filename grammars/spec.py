@@ -377,13 +377,13 @@ def _children(root: Any, node: Any) -> list[Any]:
     children = list(node.values())
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
-        target = _resolve_pointer(root, ref[1:])
+        target = resolve_pointer(root, ref[1:])
         if target is not None:
             children.append(target)
     return children
 
 
-def _resolve_pointer(root: Any, pointer: str) -> Any:
+def resolve_pointer(root: Any, pointer: str) -> Any:
     """The value at a JSON pointer ("/$defs/item"), or None."""
     node = root
     for part in pointer.split("/")[1:]:
