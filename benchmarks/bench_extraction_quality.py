@@ -4,6 +4,7 @@ answer is parsed out of its text. Constrained decoding must never score below th
     python benchmarks/bench_extraction_quality.py                  # the embedded default model
     python benchmarks/bench_extraction_quality.py --limit 10 --out quality.json
     python benchmarks/bench_extraction_quality.py --model-path DIR
+    python benchmarks/bench_extraction_quality.py --configs "xgrammar-first +jump"   # and the baseline
 
 Workload: benchmarks/data/extraction.jsonl, short texts (a bio, an invoice, a meeting note, a
 product listing, a company profile) each with its known answer, under one schema per kind
@@ -124,13 +125,20 @@ class Summary:
         return self.records_exact / self.records if self.records else 0.0
 
 
-def run_configs() -> list[RunConfig]:
+def run_configs(only: list[str] | None = None) -> list[RunConfig]:
+    """Every config, or the baseline and those named in `only` (an unknown name is an error)."""
     configs = [RunConfig(BASELINE, None, False)]
     for lead, chain in ORDERS.items():
         for jump in (True, False):
             name = f"{lead}-first {'+jump' if jump else 'no-jump'}"
             configs.append(RunConfig(name, chain, jump))
-    return configs
+    if only is None:
+        return configs
+    unknown = set(only) - {c.name for c in configs}
+    if unknown:
+        known = ", ".join(repr(c.name) for c in configs)
+        raise ValueError(f"unknown config {sorted(unknown)[0]!r} (known: {known})")
+    return [c for c in configs if c.name == BASELINE or c.name in only]
 
 
 # ---- workload ----------------------------------------------------------------------------
@@ -391,7 +399,16 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=64, help="texts per generate call")
     parser.add_argument("--out", default=None, help="write summaries and outputs as JSON")
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help='comma-separated configs besides the baseline, e.g. "xgrammar-first +jump"',
+    )
     args = parser.parse_args()
+    try:
+        configs = run_configs(args.configs.split(",") if args.configs else None)
+    except ValueError as e:
+        parser.error(str(e))
 
     from common import describe_device
 
@@ -412,7 +429,7 @@ def main() -> int:
 
     summaries: list[Summary] = []
     scored: dict[str, list[Scored]] = {}
-    for i, config in enumerate(run_configs()):
+    for i, config in enumerate(configs):
         start = time.perf_counter()
         results, wall = run_config(
             config, records, schemas, args, on_ready=header if i == 0 else None
@@ -421,7 +438,7 @@ def main() -> int:
         summaries.append(summary)
         scored[config.name] = results
         print(
-            f"[{i + 1}/{len(run_configs())}] {config.name:<24} fields {summary.field_score:.1%} "
+            f"[{i + 1}/{len(configs)}] {config.name:<24} fields {summary.field_score:.1%} "
             f"records {summary.record_score:.1%} generate {wall:.0f} s "
             f"(with engine start {time.perf_counter() - start:.0f} s)",
             flush=True,

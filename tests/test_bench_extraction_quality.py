@@ -183,6 +183,13 @@ def test_run_configs_cover_each_backend_first_with_and_without_jump_forward(benc
     ]
 
 
+def test_run_configs_picks_the_baseline_and_the_named_ones(bench):
+    picked = bench.run_configs(["llguidance-first no-jump"])
+    assert [c.name for c in picked] == ["unconstrained", "llguidance-first no-jump"]
+    with pytest.raises(ValueError, match="unknown config 'xgrammar-first'"):
+        bench.run_configs(["xgrammar-first"])
+
+
 def test_prompt_carries_the_schema(bench):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     prompt = bench.build_prompt(None, schema, "a is 3")
