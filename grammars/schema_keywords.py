@@ -610,7 +610,8 @@ WIDEST_EXACT_REPEAT = 127
 
 def regex_features(pattern: str) -> set[str]:
     """The features of a pattern xgrammar ignores: "lookaround", "inner anchor" (a ^ or $ not
-    at the start or the end of the whole pattern), "repetition {m,n}" (escaping, see above)."""
+    at the start or the end of the whole pattern), "JSON escaping of the repetition {m,n}"
+    (n - m > WIDEST_EXACT_REPEAT, see above)."""
     found: set[str] = set()
     i, end = 0, len(pattern)
     while i < end:

@@ -148,8 +148,8 @@ JSON_CHAR = '[^"\\\\\\x00-\\x1f]'
 
 def exact_lengths(schema: Any) -> Any:
     """The schema with each string's minLength/maxLength (no pattern or format beside them) as
-    the pattern `^[^"\\\x00-\x1f]{min,max}$`: the same strings, which xgrammar then matches exactly (the
-    schema itself when there is none).
+    the pattern `^{JSON_CHAR}{min,max}$`: the same strings, which xgrammar then matches exactly
+    (the schema itself when there is none).
 
     NOTE: xgrammar compiles a length-bounded string to `[^"\\\r\n]{min,max}`, which lets raw
     control characters (a tab, \x01) into the string: the output is not JSON. The class is

@@ -4,7 +4,8 @@ finishes at once, never stalled behind it.
 
 The servers run xgrammar alone, so that a grammar too big to compile in time is an error
 instead of going to the next backend (which compiles the same alternation in a tenth of the
-time); one has a short compile timeout, for the alternation. Bodies are built as JSON text: json.dumps would recurse.
+time); one has a short compile timeout, for the alternation. Bodies are built as JSON text:
+json.dumps would recurse.
 """
 
 from __future__ import annotations
