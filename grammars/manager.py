@@ -36,7 +36,7 @@ DEFAULT_ORDER = ("xgrammar", "llguidance", "outlines")
 CACHE_ENTRIES = 1024
 COMPILE_WORKERS = 2  # specs compiling at once (see GrammarManager.__init__)
 SPARE_COMPILE_THREADS = 4  # for compiles that run on past their timeout
-MAX_JUMP_FORWARD_BYTES = 1024  # forced text appended in one step (the rest comes next step)
+MAX_JUMP_FORWARD_BYTES = 1024  # forced text tokenized for one draft (the rest comes later)
 # A spec whose minimum repetition counts multiply past this gets no jump-forward (see
 # `forced_repeats`).
 MAX_FORCED_REPEATS = 1024
@@ -134,7 +134,7 @@ class RequestGrammar:
         self.matcher: Matcher = compiled.backend.matcher(compiled.grammar)
         self.end_ids = list(end_ids)
         self.ended = False
-        self.jump_forward_tokens = 0  # tokens appended without their own forward step
+        self.jump_forward_tokens = 0  # forced tokens the model confirmed in a draft's forward
 
     @property
     def backend_name(self) -> str:
@@ -154,26 +154,16 @@ class RequestGrammar:
             return b""
         return self.matcher.jump_forward()
 
-    def jump_forward_from(self, token: int) -> list[int]:
-        """The just-accepted `token` plus the tokens of the text the grammar forces after it
-        that are settled (grammars/jump_forward.py: the model's token is never re-tokenized,
-        and a forced tail the model's next token could merge with is left to the model)."""
+    def draft(self, limit: int) -> list[int]:
+        """At most `limit` tokens of the text the grammar forces next, settled (see
+        grammars/jump_forward.py), not accepted: a draft the scheduler verifies against the
+        model in one forward before any of it becomes output."""
+        if limit <= 0:
+            return []
         forced = _cut_at_char(self.jump_forward(), MAX_JUMP_FORWARD_BYTES)
         if not forced:
-            return [token]
-        ids = settled_tokens(self.compiled.backend.vocab, forced)
-        if not ids or not self._accept_all(ids):
-            return [token]
-        self.jump_forward_tokens += len(ids)
-        return [token, *ids]
-
-    def _accept_all(self, ids: list[int]) -> bool:
-        """Accept every id, or none (rolled back)."""
-        for accepted, tid in enumerate(ids):
-            if not self.accept(tid):
-                self.rollback(accepted)
-                return False
-        return True
+            return []
+        return settled_tokens(self.compiled.backend.vocab, forced)[:limit]
 
 
 class GrammarManager:
@@ -333,6 +323,23 @@ class GrammarManager:
             group[1].append(grammar.matcher.can_end(bitmask, row))
         for ends, (group_rows, can_end) in by_ends.items():
             set_bits_rows(bitmask, group_rows, list(ends), can_end)
+
+    def fill_draft(
+        self, grammar: RequestGrammar, draft: list[int], bitmask: torch.Tensor, row: int
+    ) -> int:
+        """Rows row + 1 .. row + len(draft): the masks after each draft token (`fill` writes row
+        itself, before any). Returns how many draft tokens the grammar accepts; the rows past
+        them are left as they were. The grammar ends where it started."""
+        accepted = 0
+        try:
+            for tid in draft:
+                if not grammar.accept(tid):
+                    break
+                accepted += 1
+                self.fill([grammar], bitmask, [row + accepted])
+        finally:
+            grammar.rollback(accepted)
+        return accepted
 
     def shutdown(self) -> None:
         self._chains.shutdown()

@@ -21,6 +21,9 @@ class RowPlan:
     sample_row: int | None = None  # row whose logits pick the next token
     prompt_rows: list[int] = field(default_factory=list)  # rows scored for prompt logprobs
     prompt_positions: list[int] = field(default_factory=list)  # the position each row predicts
+    # draft tokens fed behind the request's tokens (core.py): the rows after sample_row are
+    # its samples after each of them
+    draft: list[int] = field(default_factory=list)
 
 
 def build_batch(
@@ -33,6 +36,7 @@ def build_batch(
 
     pending_ids: the previous step's sampled ids on the device (overlap schedule); a request's
     pending token (`Req.pending`) is read from there, on the device, not from the host.
+    A work item past the end of a request's tokens feeds that many tokens of its draft.
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -49,7 +53,12 @@ def build_batch(
     for req, n in work:
         start = req.kv_len
         slots.append(memory.allocate(req, n))
-        if req.pending is not None and start + n == req.seq_len:
+        draft = req.draft[: max(start + n - req.seq_len, 0)]
+        if draft:
+            assert req.pending is None, "a draft must follow tokens on the host"
+            ids.extend(req.tokens(start, req.seq_len))
+            ids.extend(draft)
+        elif req.pending is not None and start + n == req.seq_len:
             ids.extend(req.tokens(start, start + n - 1))
             future_at.append(len(ids))
             future_rows.append(req.pending[1])
@@ -63,15 +72,15 @@ def build_batch(
         seq_lens.append(start + n)
         prefix_lens.append(start)
         ext_lens.append(n)
-        plan = RowPlan(req, n)
+        plan = RowPlan(req, n, draft=list(draft))
         base = len(ids) - n
         for q in _scored_positions(req, start, n):
             plan.prompt_rows.append(len(logits_rows))
             plan.prompt_positions.append(q + 1)
             logits_rows.append(base + q - start)
-        if start + n == req.seq_len and not _scoring_only(req):
+        if start + n == req.seq_len + len(draft) and not _scoring_only(req):
             plan.sample_row = len(logits_rows)
-            logits_rows.append(base + n - 1)
+            logits_rows.extend(range(base + n - 1 - len(draft), base + n))
         plans.append(plan)
 
     # NOTE: one host buffer, one copy to the device (per-field copies each cost a host sync).

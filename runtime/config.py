@@ -111,7 +111,7 @@ class EngineConfig:
         default=30.0, metadata=_help("seconds a backend may compile one grammar")
     )
     disable_jump_forward: bool = field(
-        default=False, metadata=_help("do not append grammar-forced text without a forward step")
+        default=False, metadata=_help("do not draft grammar-forced text for the model to verify")
     )
     random_seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     cache_dir: str | None = field(

@@ -8,6 +8,12 @@ Token bookkeeping of a request (all indices into `fill_ids = input_ids + output_
 
 A step processes fill_ids[kv_len : kv_len + n]; when it reaches the end of fill_ids the request
 samples one token, which is appended to output_ids (decode is the case n == 1).
+
+A constrained request may carry a draft: the tokens its grammar forces after fill_ids (jump-
+forward). A step then feeds the draft behind fill_ids and samples a token at every draft
+position; the draft tokens the model itself picks are kept, up to the first it does not, where
+the model's token is taken instead. Until that step is read back, kv_len runs past
+len(fill_ids) by the draft's length.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class Req:
     # constrained decoding: the spec's compile job, then the request's matcher
     grammar_future: Any = None
     grammar: Any = None  # weft.grammars.manager.RequestGrammar
+    draft: list[int] = field(default_factory=list)  # forced tokens to verify (module docstring)
     # logprobs: per prompt position from start_len, and per output token
     input_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] = field(
         default_factory=list

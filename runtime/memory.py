@@ -54,6 +54,14 @@ class MemoryManager:
         self.req_to_token.write(req.req_pool_idx, req.kv_len, slots, device=False)
         return slots
 
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Free the request's slots past kv_len (the KV of draft tokens the model rejected)."""
+        if req.req_pool_idx is None or kv_len >= req.kv_len:
+            return
+        assert kv_len >= req.prefix_len, "the cached prefix cannot be truncated"
+        self.kv_pool.free(self.req_to_token.read(req.req_pool_idx, kv_len, req.kv_len))
+        req.kv_len = kv_len
+
     def cache_progress(self, req: Req) -> None:
         """Insert a partly processed request's KV into the cache now (after a prefill chunk), so
         requests that share its prefix can match it before it finishes. The request then holds
@@ -77,6 +85,7 @@ class MemoryManager:
         row = req.req_pool_idx
         if row is None:
             return
+        self.truncate(req, len(req.fill_ids))  # KV of an unverified draft: no tokens to cache
         slots = self.req_to_token.read(row, 0, req.kv_len)
         if self.cache.enabled:
             key = req.fill_ids[: req.kv_len]

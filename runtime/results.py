@@ -17,7 +17,7 @@ scheduler knows reaches the server only if those messages carry it.
 | e2e_latency           | seconds from the request's arrival to its finish (None while running)|
 | grammar_backend       | constrained requests only, once their grammar compiled: the backend  |
 |                       | serving the constraint                                               |
-| jump_forward_tokens   | with grammar_backend: tokens appended without a forward step         |
+| jump_forward_tokens   | with grammar_backend: forced tokens the model took from drafts       |
 | output_token_logprobs | return_logprob only: (logprob, id, text) per output token            |
 | output_top_logprobs   | return_logprob only: per output token, (logprob, id, text) per       |
 |                       | alternative, None without alternatives (top_logprobs_num 0)          |

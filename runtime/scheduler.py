@@ -46,6 +46,13 @@ GRAMMAR_QUEUE_SLACK_S = 30.0  # beyond the compile timeouts, a request's wait fo
 IN_BATCH_SHARE_MIN = 32  # defer a request sharing this many uncached tokens with one admitted
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
+# Jump-forward drafts (core.py): at most this many forced tokens verified in one step (each is a
+# row of logits and a grammar mask).
+MAX_DRAFT_TOKENS = 16
+# Under the overlap schedule a request whose token is still on the device cannot feed a draft
+# behind it; it sits out one step for the read-back if its draft is at least this long (a
+# shorter one saves no step: the model's own next tokens check it as fast).
+OVERLAP_MIN_DRAFT = 3
 
 
 @dataclasses.dataclass
@@ -56,6 +63,9 @@ class _InFlight:
     reqs: list[Req]  # row i of `ids` is reqs[i]'s token
     ids: torch.Tensor  # [K] int64, on the device
     raw_logprobs: torch.Tensor | None
+    # the drafts verified, by the row of their request's first token: rows row .. row + len(draft)
+    # are its samples after each draft token (row itself: after none)
+    drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     # overlap on CUDA: `ids` copied to pinned memory right behind the sampling, and its event
     host_ids: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
@@ -283,6 +293,8 @@ class Scheduler:
         for req in updates:
             self.output.mark_reported(req)
         self._reported = []
+        if self._inflight is not None and self._inflight.drafts:
+            self._resolve()  # which of its drafts the model took decides what is fed next
         if self.grammar_wait:
             self._poll_grammars()
         work = self._schedule()
@@ -321,7 +333,7 @@ class Scheduler:
                 self._score_prompt(hidden, plan)
             if plan.sample_row is None and req.kv_len == req.seq_len and not req.finished:
                 self._end(req, FinishReason("length"))  # max_new_tokens == 0
-            elif plan.num_tokens > 1 and not req.finished:
+            elif plan.num_tokens > 1 and not plan.draft and not req.finished:
                 self.memory.cache_progress(req)  # others may share this prefill from now on
         # NOTE: a row is sampled only if its request is still live and fully computed: under the
         # overlap schedule it may have finished, or grown by jump-forward text, since this step
@@ -329,24 +341,35 @@ class Scheduler:
         sampling = [
             p
             for p in plans
-            if p.sample_row is not None and not p.req.finished and p.req.kv_len == p.req.seq_len
+            if p.sample_row is not None
+            and not p.req.finished
+            and p.req.kv_len == p.req.seq_len + len(p.draft)
         ]
         if not sampling:
             return
-        rows = [p.sample_row for p in sampling]
+        rows: list[int] = []
+        reqs: list[Req] = []
+        drafts: dict[Req, list[int]] = {}
+        for p in sampling:  # a drafting request samples after each draft token too
+            rows += range(p.sample_row, p.sample_row + 1 + len(p.draft))
+            reqs += [p.req] * (1 + len(p.draft))
+            if p.draft:
+                drafts[p.req] = p.draft
         if rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
         logits = self.runner.logits(hidden)
-        reqs = [p.req for p in sampling]
         # NOTE: filled while the device computes the forward and the logits (launched, not awaited)
-        logits, reqs, bitmask = self._fill_bitmask(logits, reqs)
+        logits, reqs, bitmask = self._fill_bitmask(logits, reqs, drafts)
         if not reqs:
             return  # every row's grammar backend failed
         ids, raw_logprobs = sample_on_device(logits, reqs, self.end_ids, bitmask)
         step = self.num_steps
-        for i, req in enumerate(reqs):
-            req.pending = (step, i)
         flight = _InFlight(step, reqs, ids, raw_logprobs)
+        for i, req in enumerate(reqs):
+            if i == 0 or reqs[i - 1] is not req:  # its first row
+                req.pending = (step, i)
+                if req in drafts:
+                    flight.drafts[i] = drafts[req]
         if self.overlap and raw_logprobs is not None:
             flight.read()  # rare (logprobs wanted): this step does not overlap
         elif self.overlap and ids.is_cuda:
@@ -372,7 +395,12 @@ class Scheduler:
             logprob = result.logprobs[i] if result.logprobs and req.logprob else None
             top = result.top[i] if result.top else None
             token = result.token_ids[i]
-            if req.grammar is None:
+            draft = flight.drafts.get(i)
+            if draft is not None:
+                token = self._take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
+            if draft is not None and req.finished:
+                pass  # it ended among the draft tokens it kept
+            elif req.grammar is None:
                 self.output.append_token(req, token, logprob, top)
             else:
                 # NOTE: the step launched just before this read-back may have fed the token to
@@ -405,10 +433,13 @@ class Scheduler:
         return done
 
     def _fill_bitmask(
-        self, logits: torch.Tensor, reqs: list[Req]
+        self, logits: torch.Tensor, reqs: list[Req], drafts: dict[Req, list[int]]
     ) -> tuple[torch.Tensor, list[Req], tuple[torch.Tensor, list[int]] | None]:
         """(logits, reqs, (bitmask rows [len(reqs), W] on the logits' device, the constrained
-        rows) or None). A request whose grammar backend raises is ended, and its row dropped."""
+        rows) or None). A request whose grammar backend raises is ended, and its rows dropped.
+
+        A drafting request has a row per draft token after its first: masked as its grammar
+        stands after that token. A draft the grammar does not take whole is cut in place."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return logits, reqs, None
@@ -420,32 +451,43 @@ class Scheduler:
             )
         bitmask = self._bitmask[: len(reqs)]
         start = time.perf_counter()
+        firsts = [i for i in rows if i == 0 or reqs[i - 1] is not reqs[i]]
+        failed: set[Req] = set()
         try:
-            self.grammars.fill([reqs[i].grammar for i in rows], bitmask, rows)
+            self.grammars.fill([reqs[i].grammar for i in firsts], bitmask, firsts)
         except Exception:  # NOTE: a backend's bug: find the rows that raise, one by one
-            failed = self._fill_rows_apart(reqs, rows, bitmask)
-            if failed:
-                keep = [i for i in range(len(reqs)) if i not in failed]
-                logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
-                bitmask = bitmask[keep]
-                reqs = [reqs[i] for i in keep]
-                rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-                if not rows:
-                    return logits, reqs, None
+            failed = self._fill_rows_apart(reqs, firsts, bitmask)
+        for i in firsts:
+            draft = drafts.get(reqs[i])
+            if draft and reqs[i] not in failed:
+                try:
+                    del draft[self.grammars.fill_draft(reqs[i].grammar, draft, bitmask, i) :]
+                except Exception as exc:
+                    self._grammar_failed(reqs[i], exc)
+                    self._end(reqs[i], None)
+                    failed.add(reqs[i])
+        if failed:
+            keep = [i for i, r in enumerate(reqs) if r not in failed]
+            logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+            bitmask = bitmask[keep]
+            reqs = [reqs[i] for i in keep]
+            rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+            if not rows:
+                return logits, reqs, None
         self.grammar_mask_s.observe(time.perf_counter() - start)
         return logits, reqs, (bitmask.to(self.runner.device, non_blocking=True), rows)
 
-    def _fill_rows_apart(self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor) -> set[int]:
+    def _fill_rows_apart(self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor) -> set[Req]:
         """The batched fill raised: fill row by row to find the culprits, and end them. Returns
-        their rows (the others are filled)."""
-        failed: set[int] = set()
+        them (the other rows are filled)."""
+        failed: set[Req] = set()
         for i in rows:
             try:
                 self.grammars.fill([reqs[i].grammar], bitmask, [i])
             except Exception as exc:
                 self._grammar_failed(reqs[i], exc)
                 self._end(reqs[i], None)
-                failed.add(i)
+                failed.add(reqs[i])
         return failed
 
     def _grammar_failed(self, req: Req, exc: Exception) -> None:
@@ -456,6 +498,31 @@ class Scheduler:
         message = f"the grammar backend {name} failed: {type(exc).__name__}: {exc}"
         self.output.finish(req, FinishReason("abort", message=message, status=500))
 
+    def _take_draft(self, req: Req, draft: list[int], ids: list[int]) -> int:
+        """Keep the draft tokens the model picked itself (ids[j] was sampled after draft[:j])
+        and free the KV of the rest. Returns the model's token after those kept; the request
+        may have ended among them (a stop string, its token limit)."""
+        taken = 0
+        while taken < len(draft) and ids[taken] == draft[taken]:
+            taken += 1
+        self.memory.truncate(req, len(req.fill_ids) + taken)
+        grammar: RequestGrammar = req.grammar
+        try:
+            for tid in draft[:taken]:  # NOTE: taken when the masks were filled: cannot fail
+                if not grammar.accept(tid):
+                    raise RuntimeError(f"the grammar took draft token {tid}, then refused it")
+        except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
+            self._grammar_failed(req, exc)
+            self.memory.truncate(req, len(req.fill_ids))
+            return ids[taken]
+        grammar.jump_forward_tokens += taken
+        for tid in draft[:taken]:
+            self.output.append_token(req, tid, None, None)
+            if req.finished:
+                self.memory.truncate(req, len(req.fill_ids))
+                break
+        return ids[taken]
+
     def _append_constrained(
         self,
         req: Req,
@@ -464,12 +531,9 @@ class Scheduler:
         top: list[tuple[float, int]] | None,
     ) -> None:
         grammar: RequestGrammar = req.grammar
-        jump = not self.config.disable_jump_forward and req.logprob is None
+        req.draft = []
         try:
             accepted = token >= 0 and grammar.accept(token)
-            tokens = [token]
-            if accepted and jump and not grammar.ended:
-                tokens = grammar.jump_forward_from(token)
         except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
             self._grammar_failed(req, exc)
             return
@@ -478,12 +542,32 @@ class Scheduler:
                 req, FinishReason("abort", message=f"the grammar rejected token {token}")
             )
             return
-        for i, tid in enumerate(tokens):
-            if req.finished:
-                break
-            self.output.append_token(req, tid, logprob if i == 0 else None, top if i == 0 else None)
+        self.output.append_token(req, token, logprob, top)
         if grammar.ended and not req.finished:  # ignore_eos cannot outlast the grammar
             self.output.finish(req, FinishReason("stop", matched=token))
+        if req.finished or not self._drafts_for(req):
+            return
+        try:
+            req.draft = grammar.draft(self._draft_limit(req))
+        except Exception as exc:
+            self._grammar_failed(req, exc)
+
+    def _drafts_for(self, req: Req) -> bool:
+        """Whether jump-forward drafts this request. Not with logprobs asked for (a draft token
+        has none), penalties or min_new_tokens still to reach (the draft rows would share the
+        request's penalties and token count as they stand before the draft)."""
+        p = req.params
+        return (
+            not self.config.disable_jump_forward
+            and req.logprob is None
+            and not p.has_penalties
+            and len(req.output_ids) >= p.min_new_tokens
+        )
+
+    def _draft_limit(self, req: Req) -> int:
+        """Draft tokens that leave room for the model's token after them."""
+        room = min(req.remaining_new_tokens, self.max_seq_len - req.seq_len) - 1
+        return min(room, MAX_DRAFT_TOKENS)
 
     def _score_prompt(self, hidden: torch.Tensor, plan: RowPlan) -> None:
         for lo in range(0, len(plan.prompt_rows), PROMPT_LOGITS_CHUNK):
@@ -501,11 +585,19 @@ class Scheduler:
         budget = self.chunk_size
         work: list[tuple[Req, int]] = []
         committed = 0
+        spare = self.memory.available - self._decoding()  # KV for drafts, past one per decode
         for req in self.running:
             remaining = req.seq_len - req.kv_len
-            if remaining == 1 and not self._ends_with_pending(req):
-                work.append((req, 1))
-                committed += 1
+            if remaining != 1 or self._ends_with_pending(req):
+                continue
+            if req.pending is not None and len(req.draft) >= OVERLAP_MIN_DRAFT:
+                continue  # its draft follows the token on the device: read that back first
+            n = 1
+            if req.pending is None and 0 < len(req.draft) <= spare:
+                n += len(req.draft)  # build_batch feeds the draft behind the token
+                spare -= len(req.draft)
+            work.append((req, n))
+            committed += n
         for req in self.running:  # partially prefilled requests continue first
             remaining = req.seq_len - req.kv_len
             if remaining > 1 and budget > 0:

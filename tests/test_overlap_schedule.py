@@ -103,20 +103,27 @@ def test_constrained_outputs_match_without_jump_forward(plain, overlap):
     assert all(re.fullmatch(REGEX, o["text"]) for o in got)
 
 
-def test_jump_forward_keeps_the_kv_of_a_token_already_fed(stories_dir, overlap):
-    # Under the overlap schedule a sampled token is fed to the next step before the host sees
-    # it; jump-forward must then keep it (re-tokenizing it with the forced text would leave KV
-    # computed for another token). Check: the KV cached for each output gives the same next-
-    # token logprobs as a recomputation from scratch.
-    params = {"temperature": 0, "max_new_tokens": 60, "regex": REGEX}
-    prompts = [overlap.tokenizer.encode(p) for p in PROMPTS]
-    outs = overlap.generate(input_ids=prompts, sampling_params=params)
-    assert all(re.fullmatch(REGEX, o["text"]) for o in outs)
-    assert all(o["meta_info"]["jump_forward_tokens"] > 0 for o in outs)
+PROSE = r"[A-Z][a-z]+ was happy\. One day, (he|she) went to the park with (his|her) mom\. The end\."
+
+
+@pytest.mark.parametrize("schedule", ["plain", "overlap"])
+def test_the_kv_of_verified_drafts_is_the_models(stories_dir, request, schedule):
+    # Jump-forward feeds a draft behind the model's last token (under the overlap schedule, once
+    # that token is read back) and keeps the KV of the draft tokens the model takes, freeing
+    # the rest. Check: the KV cached for each output gives the same next-token logprobs as a
+    # recomputation from scratch.
+    engine = request.getfixturevalue(schedule)
+    params = [{"temperature": 0, "max_new_tokens": 60, "regex": r} for r in (REGEX, PROSE)]
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS] * 2
+    outs = engine.generate(input_ids=prompts, sampling_params=[params[i // 5] for i in range(10)])
+    assert all(re.fullmatch(REGEX, o["text"]) for o in outs[:5])
+    assert all(re.fullmatch(PROSE, o["text"]) for o in outs[5:])
+    assert all(o["meta_info"]["jump_forward_tokens"] > 0 for o in outs[5:])
+    engine.check_integrity()
     full = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     probe = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
     kw = {"return_logprob": True, "top_logprobs_num": 5}
-    cached = overlap.generate(input_ids=full, sampling_params=probe, **kw)
+    cached = engine.generate(input_ids=full, sampling_params=probe, **kw)
     fresh = make_engine(stories_dir, max_total_tokens=8192, disable_radix_cache=True)
     recomputed = fresh.generate(input_ids=full, sampling_params=probe, **kw)
     fresh.shutdown()

@@ -158,7 +158,7 @@ def test_grammar_times_are_observed(server, traffic):
     assert _value(m, compile_s, "_count") == 1  # the one constrained request
     assert _value(m, compile_s, "_bucket", le="+Inf") == 1
     mask = "weft:grammar_mask_time_seconds"
-    # one mask per step of the constrained request (jump-forward adds tokens without a step)
+    # one mask fill per step of the constrained request (a draft is verified in one step)
     assert 1 <= _value(m, mask, "_count") <= traffic["regex"]
     assert _value(m, mask, "_sum") > 0
 

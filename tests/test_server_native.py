@@ -18,6 +18,9 @@ from server_utils import ServerProcess, schedule_args, stories_args
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They"]
 REGEX = r'\{"name": "[a-z]{1,8}", "mood": "(happy|sad)", "place": "[a-z ]{1,12}"\}'
+# English forced text: long jump-forward drafts the model takes (stories260K splits JSON its own
+# way, so REGEX's drafts are short: under the overlap schedule they are not worth a step)
+PROSE = r"[A-Z][a-z]+ was happy\. One day, (he|she) went to the park with (his|her) mom\."
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
@@ -112,6 +115,7 @@ CONSTRAINTS = {
     "unconstrained": {},
     "regex": {"regex": REGEX},
     "json_schema": {"json_schema": json.dumps(SCHEMA)},
+    "prose": {"regex": PROSE},
 }
 
 
@@ -148,7 +152,9 @@ def test_meta_info_equals_the_in_process_engines(server, engine, schedule, const
     assert meta["e2e_latency"] > 0 and want["meta_info"]["e2e_latency"] > 0
     if constraint != "unconstrained":
         assert meta["grammar_backend"] == "xgrammar"
-        assert 0 < meta["jump_forward_tokens"] < meta["completion_tokens"]
+        assert 0 <= meta["jump_forward_tokens"] < meta["completion_tokens"]
+    if constraint == "prose":
+        assert meta["jump_forward_tokens"] >= 5
 
     chunks = _engine_stream(engine, PROMPTS[1], params, rid=rid, namespace=salt)
     events = list(

@@ -15,7 +15,7 @@ class GrammarReport(msgspec.Struct, array_like=True):
     """A constrained request's decoding so far, as meta_info reports it (`weft.runtime.results`)."""
 
     backend: str  # the grammar backend that serves the request's constraint
-    jump_forward_tokens: int  # tokens appended without a forward step of their own
+    jump_forward_tokens: int  # forced tokens the model took from jump-forward drafts
 
 
 class ModelInfo(msgspec.Struct):

@@ -88,8 +88,9 @@ def _assert_fine(engine, outs: list[dict], specs: list[str | None]) -> None:
         assert out["output_ids"] == ref["output_ids"]  # as if the victim had never been there
 
 
-# (rollback is no case: jump-forward no longer undoes the sampled token, see jump_forward.py)
-@pytest.mark.parametrize(("method", "after"), [("accept", 2), ("jump_forward", 1)])
+# rollback runs only when the masks of a jump-forward draft are filled (accept each draft
+# token, fill, undo): that is the draft-fill failure
+@pytest.mark.parametrize(("method", "after"), [("accept", 2), ("jump_forward", 1), ("rollback", 0)])
 def test_a_raising_matcher_ends_only_its_request(plain, monkeypatch, method, after):
     calls = _break(plain, monkeypatch, VICTIM, method, after)
     victim, healthy, free = _run_together(plain, [VICTIM, HEALTHY, None])
@@ -116,6 +117,10 @@ def test_a_raising_batched_fill_finds_the_culprits(plain, monkeypatch):
     the two failing rows, the third constrained row and the free one go on."""
     other_victim = VICTIM.replace("{3}", "{4}")
     calls = [_break(plain, monkeypatch, v, "can_end", 3) for v in (VICTIM, other_victim)]
+    # no drafts: their masks call can_end too, outside the batched fill
+    monkeypatch.setattr(
+        plain.scheduler, "config", plain.scheduler.config.replace(disable_jump_forward=True)
+    )
     outs = _run_together(plain, [VICTIM, HEALTHY, other_victim, None])
     # 3 good calls, the batched call, its own row's; the batched call stops at the first
     # raising row, so the other victim's row may not have been reached in it (4 calls)
