@@ -27,6 +27,11 @@ def engine(stories_dir):
     ("kwargs", "message"),
     [
         ({"input_ids": [1] * 600}, "prompt is too long: 600 tokens"),
+        (
+            {"input_ids": [1] * 500, "sampling_params": {"max_new_tokens": 13}},
+            "max_new_tokens is too large: the prompt has 500 tokens and max_new_tokens is 13, "
+            "but the context length is 512",
+        ),
         ({"input_ids": []}, "prompt is empty"),
         ({"prompt": ""}, "prompt is empty"),
         ({"input_ids": [1, 99999]}, "input_ids has 99999"),
@@ -55,9 +60,8 @@ def test_bad_requests_name_the_field(engine, kwargs, message):
 
 
 def test_generation_capped_by_context(engine):
-    out = engine.generate(
-        input_ids=[1] * 500, sampling_params={"max_new_tokens": 100, "ignore_eos": True}
-    )
+    # the default max_new_tokens (128) is capped; one the caller sets must fit (a ValueError)
+    out = engine.generate(input_ids=[1] * 500, sampling_params={"ignore_eos": True})
     assert out["meta_info"]["finish_reason"] == {"type": "length"}
     assert 500 + len(out["output_ids"]) == engine.context_length == 512
 
