@@ -15,7 +15,8 @@ Configs, each on a freshly built Engine (shut down before the next: one model in
 - unconstrained: the baseline. Greedy; the output is parsed (`parse_json_object`).
 - json_schema constrained, the grammar backend chain led by xgrammar, llguidance or outlines
   (a backend that refuses a schema passes it down the chain: the `served by` column), each with
-  jump-forward on and off.
+  jump-forward on and off; and xgrammar first with compact JSON
+  (--constrained-json-disable-any-whitespace) instead of whitespace as the model writes it.
 Every config gets the same prompt: a system message asking for the JSON object, with the schema
 in it, then the text; the constrained configs also enforce the schema.
 
@@ -81,6 +82,7 @@ class RunConfig:
     name: str
     grammar_backend: str | None  # None: unconstrained
     jump_forward: bool
+    compact_json: bool = False  # --constrained-json-disable-any-whitespace
 
 
 @dataclass
@@ -132,6 +134,7 @@ def run_configs(only: list[str] | None = None) -> list[RunConfig]:
         for jump in (True, False):
             name = f"{lead}-first {'+jump' if jump else 'no-jump'}"
             configs.append(RunConfig(name, chain, jump))
+    configs.append(RunConfig("xgrammar-first compact", ORDERS["xgrammar"], True, compact_json=True))
     if only is None:
         return configs
     unknown = set(only) - {c.name for c in configs}
@@ -306,6 +309,7 @@ def run_config(
     if config.grammar_backend is not None:
         kwargs["grammar_backend"] = config.grammar_backend
     kwargs["disable_jump_forward"] = not config.jump_forward
+    kwargs["constrained_json_disable_any_whitespace"] = config.compact_json
     if args.load_format:
         kwargs["load_format"] = args.load_format
     engine = Engine(args.model_path, **kwargs)

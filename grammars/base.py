@@ -51,8 +51,11 @@ class Matcher(ABC):
 class GrammarBackend(ABC):
     name: str
 
-    def __init__(self, vocab: TokenVocab) -> None:
+    def __init__(self, vocab: TokenVocab, compact_json: bool = False) -> None:
+        """compact_json: JSON under a schema on one line, with ", " and ": " (not whitespace as
+        the model writes it, spec.JSON_WHITESPACE)."""
         self.vocab = vocab
+        self.compact_json = compact_json
 
     @abstractmethod
     def compile(self, spec: GrammarSpec) -> Any:

@@ -20,7 +20,7 @@ from weft.grammars.schema_keywords import (
     spec_refusals,
     spec_schemas,
 )
-from weft.grammars.spec import GrammarSpec
+from weft.grammars.spec import JSON_WHITESPACE, GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
 try:
@@ -28,9 +28,18 @@ try:
 except ImportError:  # pragma: no cover - the backend is then unavailable anyway
     _gbnf_to_lark = None  # type: ignore[assignment]
 
-# Compact JSON (", " and ": "), as the other backends produce it: a small model offered free
-# whitespace tends to spend tokens on it.
-JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Whitespace as the other backends allow it (spec.JSON_WHITESPACE), around bare separators; or
+# compact JSON (", " and ": ").
+JSON_OPTIONS: Any = {
+    "whitespace_pattern": JSON_WHITESPACE,
+    "item_separator": ",",
+    "key_separator": ":",
+}
+COMPACT_JSON_OPTIONS: Any = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 def _one_of_as_any_of(spec: GrammarSpec) -> bool:
@@ -103,8 +112,8 @@ class LLGuidanceMatcher(Matcher):
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
-    def __init__(self, vocab: TokenVocab) -> None:
-        super().__init__(vocab)
+    def __init__(self, vocab: TokenVocab, compact_json: bool = False) -> None:
+        super().__init__(vocab, compact_json)
         import llguidance
 
         self.llg = llguidance
@@ -148,7 +157,8 @@ class LLGuidanceBackend(GrammarBackend):
         M = self.llg.LLMatcher
         try:
             if spec.kind in ("json_schema", "json_object"):
-                options: Any = {**JSON_OPTIONS, "coerce_one_of": _one_of_as_any_of(spec)}
+                layout = COMPACT_JSON_OPTIONS if self.compact_json else JSON_OPTIONS
+                options: Any = {**layout, "coerce_one_of": _one_of_as_any_of(spec)}
                 return str(M.grammar_from_json_schema(spec.text, overrides=options))
             if spec.kind == "regex":
                 return str(M.grammar_from_regex(spec.text))

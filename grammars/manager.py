@@ -42,7 +42,7 @@ MAX_JUMP_FORWARD_BYTES = 1024  # forced text tokenized for one draft (the rest c
 MAX_FORCED_REPEATS = 1024
 
 
-def backend_classes() -> dict[str, Callable[[TokenVocab], GrammarBackend]]:
+def backend_classes() -> dict[str, Callable[[TokenVocab, bool], GrammarBackend]]:
     from weft.grammars.llguidance_backend import LLGuidanceBackend
     from weft.grammars.no_grammar import NoGrammarBackend
     from weft.grammars.outlines_backend import OutlinesBackend
@@ -173,7 +173,9 @@ class GrammarManager:
         order: Sequence[str] = DEFAULT_ORDER,
         timeout_s: float = 30.0,
         workers: int = COMPILE_WORKERS,
+        compact_json: bool = False,
     ) -> None:
+        """compact_json: JSON under a schema on one line (GrammarBackend)."""
         known = backend_classes()
         unknown = [name for name in order if name not in known]
         if unknown or not order:
@@ -184,6 +186,7 @@ class GrammarManager:
             )
         self.order = list(order)
         self.timeout_s = timeout_s
+        self.compact_json = compact_json
         self._vocab_factory = vocab_factory
         self._vocab: TokenVocab | None = None
         self._backends: dict[str, GrammarBackend | Exception] = {}
@@ -293,7 +296,7 @@ class GrammarManager:
             backend = self._backends.get(name)
             if backend is None:
                 try:
-                    backend = backend_classes()[name](vocab)
+                    backend = backend_classes()[name](vocab, self.compact_json)
                 except Exception as exc:  # a missing package or a tokenizer it cannot read
                     logger.warning("grammar backend %s is unavailable: %s", name, exc)
                     backend = exc

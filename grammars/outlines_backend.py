@@ -13,7 +13,7 @@ import torch
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
 from weft.grammars.ebnf import choices_regex, regex_escape
 from weft.grammars.schema_keywords import OUTLINES, describe, spec_refusals
-from weft.grammars.spec import GrammarSpec
+from weft.grammars.spec import JSON_WHITESPACE, GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
 MAX_ROLLBACK = 64  # tokens a matcher can undo (jump-forward re-tokenizes a few at most)
@@ -50,8 +50,10 @@ class OutlinesMatcher(Matcher):
 class OutlinesBackend(GrammarBackend):
     name = "outlines"
 
-    def __init__(self, vocab: TokenVocab) -> None:
-        super().__init__(vocab)
+    def __init__(self, vocab: TokenVocab, compact_json: bool = False) -> None:
+        super().__init__(vocab, compact_json)
+        # compact: outlines-core's own, a space or none around separators
+        self._whitespace = None if compact_json else JSON_WHITESPACE
         import outlines_core
 
         self.oc = outlines_core
@@ -80,7 +82,7 @@ class OutlinesBackend(GrammarBackend):
             raise GrammarUnsupported("outlines-core cannot compile EBNF (context-free) grammars")
         try:
             if spec.kind in ("json_schema", "json_object"):
-                return str(self.regex_from_schema(spec.text))
+                return str(self.regex_from_schema(spec.text, self._whitespace))
             if spec.kind == "regex":
                 return spec.text
             if spec.kind == "choices":
@@ -97,7 +99,7 @@ class OutlinesBackend(GrammarBackend):
         calls = [
             regex_escape(s["begin"])
             + "("
-            + str(self.regex_from_schema(json.dumps(s["schema"])))
+            + str(self.regex_from_schema(json.dumps(s["schema"]), self._whitespace))
             + ")"
             + regex_escape(s["end"])
             for s in tag["structures"]

@@ -33,6 +33,12 @@ MAX_SPEC_CHARS = 256 * 1024  # the text of one spec (EngineConfig.max_grammar_ch
 MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects/arrays in a schema document
 MAX_GROUP_DEPTH = 64  # nesting of parentheses in a regex or an EBNF grammar
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices", "structural_tag")
+# JSON text under a schema: whitespace as the model writes it (compact, spaced or indented), at
+# most JSON_WHITESPACE_MAX characters in a run. Forcing compact JSON on a model that indents cost
+# extraction quality (benchmarks/RESULTS.md: ages and dates went wrong, items repeated); a small
+# model offered unbounded whitespace can spend its tokens on it. Every backend gets this bound.
+JSON_WHITESPACE_MAX = 16
+JSON_WHITESPACE = f"[ \\n\\r\\t]{{0,{JSON_WHITESPACE_MAX}}}"
 INLINE_SPEC_CHARS = 16 * 1024  # longer specs are checked off the event loop (`parse_off_loop`)
 OFF_LOOP_WORKERS = 4  # threads for the work `parse_off_loop` moves off the event loop
 

@@ -36,7 +36,7 @@ from weft.grammars.schema_keywords import (
     subschemas,
     types_of,
 )
-from weft.grammars.spec import GrammarSpec
+from weft.grammars.spec import JSON_WHITESPACE_MAX, GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
 T = TypeVar("T")
@@ -79,8 +79,8 @@ class XGrammarMatcher(Matcher):
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, vocab: TokenVocab) -> None:
-        super().__init__(vocab)
+    def __init__(self, vocab: TokenVocab, compact_json: bool = False) -> None:
+        super().__init__(vocab, compact_json)
         import xgrammar
 
         self.xgr = xgrammar
@@ -112,7 +112,15 @@ class XGrammarBackend(GrammarBackend):
         """The spec as an xgrammar Grammar (the conversion, where xgrammar warns)."""
         G = self.xgr.Grammar
         if spec.kind in ("json_schema", "json_object"):
-            return G.from_json_schema(_schema_text(spec), any_whitespace=False, strict_mode=False)
+            if self.compact_json:
+                text = _schema_text(spec)
+                return G.from_json_schema(text, any_whitespace=False, strict_mode=False)
+            return G.from_json_schema(
+                _schema_text(spec),
+                any_whitespace=True,
+                max_whitespace_cnt=JSON_WHITESPACE_MAX,
+                strict_mode=False,
+            )
         if spec.kind == "regex":
             return G.from_regex(spec.text)
         if spec.kind == "ebnf":

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from weft.grammars.spec import MAX_SPEC_CHARS
+from weft.grammars.spec import JSON_WHITESPACE_MAX, MAX_SPEC_CHARS
 from weft.runtime.sampling_params import RequestLimits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -109,6 +109,14 @@ class EngineConfig:
     )
     grammar_compile_timeout: float = field(
         default=30.0, metadata=_help("seconds a backend may compile one grammar")
+    )
+    constrained_json_disable_any_whitespace: bool = field(
+        default=False,
+        metadata=_help(
+            "JSON under a schema on one line with ', ' and ': ' (default: whitespace as the "
+            f"model writes it, compact or indented, at most {JSON_WHITESPACE_MAX} characters in "
+            "a run)"
+        ),
     )
     disable_jump_forward: bool = field(
         default=False, metadata=_help("do not draft grammar-forced text for the model to verify")

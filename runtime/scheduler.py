@@ -197,6 +197,7 @@ class Scheduler:
                 lambda: TokenVocab.from_tokenizer(tokenizer, vocab_size, end_ids),
                 order=self.config.grammar_backends,
                 timeout_s=self.config.grammar_compile_timeout,
+                compact_json=self.config.constrained_json_disable_any_whitespace,
             )
         return self._grammars
 

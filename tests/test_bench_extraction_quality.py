@@ -172,14 +172,15 @@ def test_summaries_changes_and_failures(bench):
 
 def test_run_configs_cover_each_backend_first_with_and_without_jump_forward(bench):
     configs = bench.run_configs()
-    assert [(c.name, c.grammar_backend, c.jump_forward) for c in configs] == [
-        ("unconstrained", None, False),
-        ("xgrammar-first +jump", "xgrammar,llguidance,outlines", True),
-        ("xgrammar-first no-jump", "xgrammar,llguidance,outlines", False),
-        ("llguidance-first +jump", "llguidance,xgrammar,outlines", True),
-        ("llguidance-first no-jump", "llguidance,xgrammar,outlines", False),
-        ("outlines-first +jump", "outlines,xgrammar,llguidance", True),
-        ("outlines-first no-jump", "outlines,xgrammar,llguidance", False),
+    assert [(c.name, c.grammar_backend, c.jump_forward, c.compact_json) for c in configs] == [
+        ("unconstrained", None, False, False),
+        ("xgrammar-first +jump", "xgrammar,llguidance,outlines", True, False),
+        ("xgrammar-first no-jump", "xgrammar,llguidance,outlines", False, False),
+        ("llguidance-first +jump", "llguidance,xgrammar,outlines", True, False),
+        ("llguidance-first no-jump", "llguidance,xgrammar,outlines", False, False),
+        ("outlines-first +jump", "outlines,xgrammar,llguidance", True, False),
+        ("outlines-first no-jump", "outlines,xgrammar,llguidance", False, False),
+        ("xgrammar-first compact", "xgrammar,llguidance,outlines", True, True),
     ]
 
 

@@ -3,6 +3,8 @@ embedded Qwen model (it has a chat template)."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -189,10 +191,11 @@ ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 def test_strict_json_schema_is_a_closed_schema(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER, "strict": True}}
+    # (stories260K spends tokens on the whitespace JSON allows: 120 let it end)
     out = client.chat.completions.create(
-        model="stories", messages=HI, response_format=fmt, max_tokens=40, temperature=0
+        model="stories", messages=HI, response_format=fmt, max_tokens=120, temperature=0
     )
-    assert out.choices[0].message.content == '{"ok": false}'
+    assert list(json.loads(out.choices[0].message.content)) == ["ok"]
     assert out.choices[0].finish_reason == "stop"
 
 

@@ -26,7 +26,7 @@ import pytest
 from weft.grammars.base import allocate_bitmask, bit_is_set
 from weft.grammars.manager import DEFAULT_ORDER, GrammarError, GrammarManager, RequestGrammar
 from weft.grammars.schema_keywords import resolve_ref
-from weft.grammars.spec import parse_spec
+from weft.grammars.spec import JSON_WHITESPACE_MAX, parse_spec
 
 from conftest import fixture_path
 
@@ -39,10 +39,9 @@ from hypothesis import strategies as st  # noqa: E402
 VOCAB_SIZE = 151936  # Qwen2's lm_head rows
 END_IDS = [151643, 151645]
 EXAMPLES = 20  # hypothesis examples per schema (two instances each, one or two texts each)
-# The separators each backend writes (weft asks for compact JSON with ", " and ": "); outlines-core
-# allows a space or none.
-SPACED, COMPACT = (", ", ": "), (",", ":")
-FORMS = {"xgrammar": [SPACED], "llguidance": [SPACED], "outlines": [SPACED, COMPACT]}
+# JSON text as models write it: every backend allows whitespace runs (spec.JSON_WHITESPACE).
+SPACED, COMPACT, NEWLINED = (", ", ": "), (",", ":"), (",\n    ", " : ")
+FORMS = {backend: [SPACED, COMPACT, NEWLINED] for backend in DEFAULT_ORDER}
 
 
 @dataclass
@@ -813,17 +812,43 @@ def test_what_no_backend_enforces_is_refused_naming_the_keyword(chain, entry):
         assert got.startswith(want), (want, got)
 
 
-@pytest.mark.parametrize("order", ["chain", "llguidance"])
-def test_xgrammar_and_llguidance_write_spaced_json_only(chains, tokenizer, order):
-    """The forms FORMS lists: weft asks xgrammar and llguidance for ", " and ": " (compact text
-    is refused), so the spaced text is the one to check."""
-    chain = chains(order)
-    compiled = _compile(chain, PERSON)
-    backend = compiled.backend.name
-    assert backend == {"chain": "xgrammar", "llguidance": "llguidance"}[order]
-    texts = Texts(PERSON)
-    instance = {"name": "Ann", "age": 31, "tags": ["red", "blue"]}
-    spaced, compact = (texts.text(instance, backend, f) for f in (SPACED, COMPACT))
-    assert spaced == '{"name": "Ann", "age": 31, "tags": ["red", "blue"]}'
-    assert accepts(chain, compiled, tokenizer, spaced)
-    assert not accepts(chain, compiled, tokenizer, compact)
+@pytest.mark.parametrize("compact", [False, True], ids=["any-whitespace", "compact"])
+@pytest.mark.parametrize("backend", DEFAULT_ORDER)
+def test_json_whitespace_as_models_write_it(vocab, tokenizer, backend, compact):
+    """Every backend reads JSON laid out as models write it (compact, spaced, indented), a
+    whitespace run of at most JSON_WHITESPACE_MAX, no whitespace around the value; with
+    --constrained-json-disable-any-whitespace, one line with ", " and ": " (outlines-core: a
+    space or none)."""
+    chain = GrammarManager(lambda: vocab, order=[backend], compact_json=compact)
+    try:
+        layout = {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["name", "age", "tags"],
+            "additionalProperties": False,
+        }
+        compiled = _compile(chain, layout)
+        instance = {"name": "Ann", "age": 31, "tags": ["red", "blue"]}
+        run = " " * JSON_WHITESPACE_MAX
+        texts = {
+            "spaced": json.dumps(instance),
+            "compact": json.dumps(instance, separators=(",", ":")),
+            "indent 2": json.dumps(instance, indent=2),
+            "indent 4": json.dumps(instance, indent=4),
+            "tabs": json.dumps(instance, indent="\t"),
+            "longest run": json.dumps(instance).replace(": 31", ":" + run + "31"),
+            "too long a run": json.dumps(instance).replace(": 31", ": " + run + "31"),
+            "leading": " " + json.dumps(instance),
+            "trailing": json.dumps(instance) + "\n",
+        }
+        got = {name: accepts(chain, compiled, tokenizer, text) for name, text in texts.items()}
+    finally:
+        chain.shutdown()
+    flexible = {"spaced", "compact", "indent 2", "indent 4", "tabs", "longest run"}
+    if compact:
+        flexible = {"spaced", "compact"} if backend == "outlines" else {"spaced"}
+    assert {name for name, ok in got.items() if ok} == flexible
