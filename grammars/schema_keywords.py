@@ -23,6 +23,9 @@ backend that serves it in the default chain (xgr, llg), or a 400 (every backend 
 | format + minLength/maxLength      | weakened (warns)   | enforced    | weakened (fmt) | llg      |
 | minLength/maxLength alone         | weakened: raw      | enforced    | enforced       | xgr, as  |
 |                                   | control characters |             |                | pattern  |
+| ... a range wider than 127        | enforced as a      | enforced    | enforced       | llg      |
+|                                   | pattern, ~80 ms a  | (< 1 ms)    |                | (speed)  |
+|                                   | mask               |             |                |          |
 | pattern repeating {m,n}, n-m>127  | weakened: raw '"', | enforced    | refused        | llg      |
 |                                   | '\\' in the string |             |                |          |
 | lookahead in a pattern            | weakened (warns)   | refused     | refused        | 400      |
@@ -186,9 +189,11 @@ class Refusal:
     keyword: str
     pointer: str  # JSON pointer of the keyword: "/properties/name/minLength"
     why: str = ""
+    slow: bool = False  # enforced, but too slowly to serve (the next backend serves it)
 
     def __str__(self) -> str:
-        where = f"{self.backend} does not enforce {self.keyword} at {self.pointer}"
+        verb = "passes on" if self.slow else "does not enforce"
+        where = f"{self.backend} {verb} {self.keyword} at {self.pointer}"
         return f"{where}: {self.why}" if self.why else where
 
 
@@ -510,6 +515,23 @@ def pattern_features(site: Site, root: Any) -> Iterable[tuple[str, str]]:
             yield "pattern", f"it ignores the {feature} in {pattern!r}"
 
 
+def wide_lengths(site: Site, root: Any) -> Iterable[tuple[str, str]]:
+    """A string length range wider than WIDEST_EXACT_REPEAT (xgrammar_backend.exact_lengths
+    writes it as a repetition): exact in xgrammar, but each token mask inside such a string took
+    ~80 ms (H200 host, Qwen2 vocabulary, xgrammar 0.2.8; 0.2-0.5 ms up to 127 wide; llguidance
+    under 1 ms at any width)."""
+    node = site.node
+    if "pattern" in node or "format" in node or not {"minLength", "maxLength"} & node.keys():
+        return  # (lengths beside a pattern or format: lengths_beside's case)
+    low, high = node.get("minLength", 0), node.get("maxLength")
+    if not isinstance(low, int) or not isinstance(high, int | None):
+        return
+    if low > WIDEST_EXACT_REPEAT or (high is not None and high - low > WIDEST_EXACT_REPEAT):
+        key = "maxLength" if high is not None else "minLength"
+        shown = f"{{{low},{'' if high is None else high}}}"
+        yield key, f"a length range {shown} wider than {WIDEST_EXACT_REPEAT} costs it ~80 ms a mask"
+
+
 def multiple_of_integers(site: Site, root: Any) -> Iterable[tuple[str, str]]:
     value = site.node.get("multipleOf")
     if value is None:
@@ -656,6 +678,7 @@ class Profile:
     backend: str
     enforced: frozenset[str] | None
     rules: tuple[Rule, ...] = ()
+    slow: tuple[Rule, ...] = ()  # what it enforces too slowly to serve
 
 
 XGRAMMAR = Profile(
@@ -698,6 +721,7 @@ XGRAMMAR = Profile(
         enum_siblings,
         declared_names,
     ),
+    slow=(wide_lengths,),
 )
 LLGUIDANCE = Profile("llguidance", None)
 OUTLINES = Profile(
@@ -748,6 +772,11 @@ def refusals(root: Any, profile: Profile, base: str = "") -> list[Refusal]:
         for rule in profile.rules:
             found.extend(
                 Refusal(profile.backend, key, site.at(key), why) for key, why in rule(site, root)
+            )
+        for rule in profile.slow:
+            found.extend(
+                Refusal(profile.backend, key, site.at(key), why, slow=True)
+                for key, why in rule(site, root)
             )
     unique = {(r.keyword, r.pointer): r for r in reversed(found)}  # the first of each
     return [r for r in found if unique[(r.keyword, r.pointer)] is r]

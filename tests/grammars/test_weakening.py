@@ -229,3 +229,33 @@ def test_a_structural_tag_schema_is_checked_with_its_pointer(stories_vocab):
     compiled = _compile(stories_vocab, ["xgrammar", "llguidance"], "structural_tag", tag)
     assert compiled.backend.name == "llguidance"
     assert compiled.refused[0].startswith("xgrammar: xgrammar does not enforce maxLength at ")
+
+
+@pytest.mark.parametrize(
+    ("lengths", "refused"),
+    [
+        ({"minLength": 1, "maxLength": 128}, None),
+        ({"maxLength": 127}, None),
+        ({"minLength": 127}, None),
+        (
+            {"maxLength": 128},
+            "xgrammar passes on maxLength at /properties/a/maxLength: a length range {0,128} "
+            "wider than 127 costs it ~80 ms a mask",
+        ),
+        (
+            {"minLength": 128},
+            "xgrammar passes on minLength at /properties/a/minLength: a length range {128,} "
+            "wider than 127 costs it ~80 ms a mask",
+        ),
+        ({"maxLength": 500, "pattern": "^a+$"}, "does not enforce"),  # lengths_beside's case
+    ],
+)
+def test_xgrammar_passes_wide_length_ranges_on(lengths, refused):
+    from weft.grammars.schema_keywords import XGRAMMAR, describe, spec_refusals
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", **lengths}}}
+    found = describe(spec_refusals("json_schema", schema, XGRAMMAR))
+    if refused is None:
+        assert found == ""
+    else:
+        assert refused in found and ("passes on" in found) == ("passes on" in refused)
