@@ -121,6 +121,14 @@ class EngineConfig:
     disable_jump_forward: bool = field(
         default=False, metadata=_help("do not draft grammar-forced text for the model to verify")
     )
+    enable_jump_forward: bool = field(
+        default=False,
+        metadata=_help(
+            "draft grammar-forced text even where CUDA graphs replay the decode steps (off "
+            "there by default: a step that feeds a draft runs eagerly, for the whole batch, "
+            "and measured 0.36x the tokens/s of jump-forward off at batch 1)"
+        ),
+    )
     random_seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     cache_dir: str | None = field(
         default=None, metadata=_help("where converted GGUF models live (default ~/.cache/weft)")
@@ -154,6 +162,8 @@ class EngineConfig:
             )
         if self.enable_overlap_schedule and self.disable_overlap_schedule:
             raise ValueError("enable_overlap_schedule and disable_overlap_schedule contradict")
+        if self.enable_jump_forward and self.disable_jump_forward:
+            raise ValueError("enable_jump_forward and disable_jump_forward contradict")
         order = self.grammar_backends
         known = ("xgrammar", "llguidance", "outlines", "none")
         if not order or any(name not in known for name in order):

@@ -554,12 +554,15 @@ class Scheduler:
             self._grammar_failed(req, exc)
 
     def _drafts_for(self, req: Req) -> bool:
-        """Whether jump-forward drafts this request. Not with logprobs asked for (a draft token
-        has none), penalties or min_new_tokens still to reach (the draft rows would share the
-        request's penalties and token count as they stand before the draft)."""
+        """Whether jump-forward drafts this request. Not where CUDA graphs replay the decode
+        steps, unless enable_jump_forward (a draft's step runs eagerly, for the whole batch:
+        slower than the steps it saves, benchmarks/RESULTS.md); not with logprobs asked for (a
+        draft token has none), penalties or min_new_tokens still to reach (the draft rows would
+        share the request's penalties and token count as they stand before the draft)."""
         p = req.params
         return (
             not self.config.disable_jump_forward
+            and (self.config.enable_jump_forward or self.runner.graphs is None)
             and req.logprob is None
             and not p.has_penalties
             and len(req.output_ids) >= p.min_new_tokens

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,21 @@ def schedule(request) -> str:
 # ---- engines: built once per module, audited after every test ----------------------------
 
 _LIVE_ENGINES: list = []
+
+
+@contextlib.contextmanager
+def jump_forward_off(*engines: Any) -> Iterator[None]:
+    """The engines without jump-forward for the block (their configs restored after)."""
+    configs = [e.scheduler.config for e in engines]
+    for engine, config in zip(engines, configs, strict=True):
+        engine.scheduler.config = config.replace(
+            disable_jump_forward=True, enable_jump_forward=False
+        )
+    try:
+        yield
+    finally:
+        for engine, config in zip(engines, configs, strict=True):
+            engine.scheduler.config = config
 
 
 def make_engine(model_path, **kwargs):

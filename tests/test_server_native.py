@@ -32,7 +32,12 @@ GREEDY = {"temperature": 0, "max_new_tokens": 48}
 
 @pytest.fixture(scope="module")
 def server(stories_dir, schedule):
-    srv = ServerProcess(*stories_args(stories_dir, "--enable-metrics", *schedule_args(schedule)))
+    # jump-forward on CUDA too, beside the decode graphs (the meta_info tests count its tokens)
+    srv = ServerProcess(
+        *stories_args(
+            stories_dir, "--enable-metrics", "--enable-jump-forward", *schedule_args(schedule)
+        )
+    )
     yield srv
     srv.assert_kv_intact()
     assert srv.stop() == 0
@@ -46,6 +51,7 @@ def engine(stories_dir, schedule):
         max_total_tokens=4096,
         enable_overlap_schedule=schedule == "overlap",
         disable_overlap_schedule=schedule == "plain",  # (the overlap one is CUDA's default)
+        enable_jump_forward=True,
     )
     yield eng
     eng.shutdown()

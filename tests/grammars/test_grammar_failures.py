@@ -14,7 +14,7 @@ import pytest
 
 from weft.grammars.spec import parse_spec
 
-from conftest import make_engine
+from conftest import jump_forward_off, make_engine
 
 VICTIM = "The end of [a-z]+( [a-z]+){3}"  # forced text: accept, jump-forward and rollback run
 HEALTHY = "[A-Z][a-z]+( [a-z]+){4}"
@@ -28,13 +28,17 @@ def _fault() -> UnicodeDecodeError:
 
 @pytest.fixture(scope="module")
 def plain(stories_dir):
-    return make_engine(stories_dir, max_total_tokens=4096, disable_overlap_schedule=True)
+    return make_engine(
+        stories_dir, max_total_tokens=4096, disable_overlap_schedule=True, enable_jump_forward=True
+    )
 
 
 @pytest.fixture(scope="module")
 def overlap(stories_dir):
     """The overlap schedule forced on (the default on CUDA): a failing token was fed already."""
-    return make_engine(stories_dir, max_total_tokens=4096, enable_overlap_schedule=True)
+    return make_engine(
+        stories_dir, max_total_tokens=4096, enable_overlap_schedule=True, enable_jump_forward=True
+    )
 
 
 def _break(engine, monkeypatch, regex: str, method: str, after: int) -> list[int]:
@@ -118,10 +122,8 @@ def test_a_raising_batched_fill_finds_the_culprits(plain, monkeypatch):
     other_victim = VICTIM.replace("{3}", "{4}")
     calls = [_break(plain, monkeypatch, v, "can_end", 3) for v in (VICTIM, other_victim)]
     # no drafts: their masks call can_end too, outside the batched fill
-    monkeypatch.setattr(
-        plain.scheduler, "config", plain.scheduler.config.replace(disable_jump_forward=True)
-    )
-    outs = _run_together(plain, [VICTIM, HEALTHY, other_victim, None])
+    with jump_forward_off(plain):
+        outs = _run_together(plain, [VICTIM, HEALTHY, other_victim, None])
     # 3 good calls, the batched call, its own row's; the batched call stops at the first
     # raising row, so the other victim's row may not have been reached in it (4 calls)
     assert sorted(c[0] for c in calls) in ([4, 5], [5, 5])

@@ -11,12 +11,13 @@ from collections import Counter
 
 import jsonschema
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from weft.grammars.jump_forward import extends, settled_tokens
 from weft.grammars.vocab import TokenVocab
 
-from conftest import fixture_path, make_engine, require_default_model
+from conftest import fixture_path, jump_forward_off, make_engine, require_default_model
 
 FORCED = [
     b" [",
@@ -119,11 +120,8 @@ def _same_text_three_ways(engine, prompts, params) -> list[dict]:
     """Greedy with jump-forward, without it, and asking for logprobs: the same outputs."""
     jumped = engine.generate(prompts, params)
     with_logprobs = engine.generate(prompts, params, return_logprob=True)
-    engine.scheduler.config = engine.scheduler.config.replace(disable_jump_forward=True)
-    try:
+    with jump_forward_off(engine):
         stepped = engine.generate(prompts, params)
-    finally:
-        engine.scheduler.config = engine.scheduler.config.replace(disable_jump_forward=False)
     for j, s, lp in zip(jumped, stepped, with_logprobs, strict=True):
         assert j["text"] == s["text"] == lp["text"]
         assert s["meta_info"]["jump_forward_tokens"] == 0
@@ -148,6 +146,7 @@ def test_greedy_is_the_same_with_jump_forward_on_stories(stories_dir, schedule):
         # stories260K never saw JSON: offered whitespace, it writes little else; compact JSON
         # leaves more forced text to draft
         constrained_json_disable_any_whitespace=True,
+        enable_jump_forward=True,  # (on CUDA too, beside the decode graphs)
     )
     prompts = ["Once upon a time", "One day", "Lily", "Tom was", "The sun"]
     params = {"temperature": 0, "max_new_tokens": 80}
@@ -237,16 +236,23 @@ def test_sampling_keeps_the_models_distribution_with_drafts(stories_dir):
     # it, and the draft is kept up to the first row that sampled something else: sequential
     # sampling, in distribution. Appending the draft unchecked (as jump-forward once did) moved
     # both distributions below (p 1e-14 over the texts, 1e-84 over the token counts).
-    engine = make_engine(stories_dir, max_total_tokens=16384, disable_overlap_schedule=True)
+    engine = make_engine(
+        stories_dir,
+        max_total_tokens=16384,
+        disable_overlap_schedule=True,
+        enable_jump_forward=True,  # (on CUDA too, beside the decode graphs)
+    )
     regex = r"(He|She) went to the park\. The (sun|dog) was (happy|big)\."
 
     def outputs(jump: bool) -> list[dict]:
-        engine.scheduler.config = engine.scheduler.config.replace(disable_jump_forward=not jump)
         params = [
             {"temperature": 1.0, "max_new_tokens": 40, "regex": regex, "seed": 1000 * jump + i}
             for i in range(400)
         ]
-        return engine.generate(["Once upon a time"] * 400, params)
+        if jump:
+            return engine.generate(["Once upon a time"] * 400, params)
+        with jump_forward_off(engine):
+            return engine.generate(["Once upon a time"] * 400, params)
 
     try:
         jumped, stepped = outputs(True), outputs(False)
@@ -274,3 +280,30 @@ def _same_distribution_p(a: list[int], b: list[int]) -> float:
     df = len(a) - 1
     half = torch.tensor([df / 2, stat / 2], dtype=torch.float64)
     return float(torch.special.gammaincc(half[0], half[1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_no_drafts_beside_cuda_graphs_unless_enabled(stories_dir):
+    # a step that feeds a draft runs eagerly for the whole batch: slower than the steps it saves
+    # where decode steps replay CUDA graphs (benchmarks/RESULTS.md), so drafts are off there
+    params = {"temperature": 0, "max_new_tokens": 40, "regex": PROSE}
+    by_default = make_engine(stories_dir, max_total_tokens=4096)
+    enabled = make_engine(stories_dir, max_total_tokens=4096, enable_jump_forward=True)
+    try:
+        assert by_default.runner.graphs is not None
+        plain = by_default.generate(["Once upon a time"] * 3, params)
+        jumped = enabled.generate(["Once upon a time"] * 3, params)
+    finally:
+        by_default.shutdown()
+        enabled.shutdown()
+    assert _jumped(plain) == 0 and _jumped(jumped) > 0
+    assert [o["text"] for o in plain] == [o["text"] for o in jumped]
+
+
+def test_enable_and_disable_jump_forward_contradict(stories_dir):
+    from weft.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="enable_jump_forward and disable_jump_forward"):
+        EngineConfig(
+            model_path=str(stories_dir), enable_jump_forward=True, disable_jump_forward=True
+        )
