@@ -192,8 +192,9 @@ def bench_decode(args: argparse.Namespace) -> None:
         samples: dict[str, list] = {name: [] for name in runs}
         for _ in range(args.repeats):
             for name, (target, params, jump) in runs.items():
+                # (enabled beside CUDA graphs too, where it is off by default)
                 target.scheduler.config = target.scheduler.config.replace(
-                    disable_jump_forward=not jump
+                    disable_jump_forward=not jump, enable_jump_forward=jump
                 )
                 samples[name].append(_run(target, prompts, params))
         rows = {name: sorted(s, key=lambda r: r[0])[len(s) // 2] for name, s in samples.items()}
