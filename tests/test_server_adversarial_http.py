@@ -154,12 +154,19 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 def assert_cut_off(sock: socket.socket, since: float, status: bytes | None) -> None:
     """The server answers `status` (None: nothing) and closes, HEADER_TIMEOUT_S after `since`."""
-    reply = read_until_closed(sock)
+    reset = False
+    try:
+        reply = read_until_closed(sock)
+    except ConnectionResetError:
+        # NOTE: a byte a trickling client sends after the server's answer and close makes the
+        # server's end reset the connection, and the reset can discard the unread answer (seen
+        # once in a full CPU run): the cut-off's timing is then the proof
+        reply, reset = b"", True
     took = time.monotonic() - since
     assert HEADER_TIMEOUT_S - 0.5 < took < HEADER_TIMEOUT_S + 5, took
     if status is None:
         assert reply == b""
-    else:
+    elif not reset:
         assert reply.startswith(b"HTTP/1.1 " + status), reply
 
 
