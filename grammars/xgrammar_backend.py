@@ -112,15 +112,12 @@ class XGrammarBackend(GrammarBackend):
         """The spec as an xgrammar Grammar (the conversion, where xgrammar warns)."""
         G = self.xgr.Grammar
         if spec.kind in ("json_schema", "json_object"):
-            if self.compact_json:
-                text = _schema_text(spec)
-                return G.from_json_schema(text, any_whitespace=False, strict_mode=False)
-            return G.from_json_schema(
-                _schema_text(spec),
-                any_whitespace=True,
-                max_whitespace_cnt=JSON_WHITESPACE_MAX,
-                strict_mode=False,
+            layout: dict[str, Any] = (
+                {"any_whitespace": False}
+                if self.compact_json
+                else {"any_whitespace": True, "max_whitespace_cnt": JSON_WHITESPACE_MAX}
             )
+            return G.from_json_schema(_schema_text(spec), strict_mode=False, **layout)
         if spec.kind == "regex":
             return G.from_regex(spec.text)
         if spec.kind == "ebnf":

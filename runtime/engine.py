@@ -25,7 +25,11 @@ from weft.runtime.loaders.source import resolve_source
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.model_runner import ModelRunner
 from weft.runtime.results import request_output
-from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
+from weft.runtime.sampling_params import (
+    MAX_TOP_LOGPROBS_NUM,
+    SamplingParams,
+    output_room_error,
+)
 from weft.runtime.scheduler import Scheduler
 from weft.runtime.tokenizer import end_token_ids, load_tokenizer
 
@@ -298,8 +302,11 @@ class Engine:
             sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
             sp.validate(self.model_config.vocab_size, self.config.request_limits)
             self._check_ids(ids)
+            # (a max_new_tokens the caller set must fit; the default one is capped instead)
             if isinstance(params, dict) and "max_new_tokens" in params:
-                self._check_room(ids, sp.max_new_tokens)
+                error = output_room_error(len(ids), sp.max_new_tokens, self.context_length)
+                if error is not None:
+                    raise ValueError(error)
             if logprob is not None and logprob.start_len >= len(ids):
                 raise ValueError(
                     f"logprob_start_len ({logprob.start_len}) must be below the prompt length "
@@ -341,16 +348,6 @@ class Engine:
         if limit is not None and len(ids) > limit:
             raise ValueError(
                 f"prompt is too long: {len(ids)} tokens, at most {limit} (max_prompt_tokens)"
-            )
-
-    def _check_room(self, ids: list[int], max_new_tokens: int) -> None:
-        """A max_new_tokens the caller set must fit beside the prompt (as the server refuses it;
-        the default one is capped by the context instead)."""
-        if len(ids) + max_new_tokens > self.context_length:
-            raise ValueError(
-                f"max_new_tokens is too large: the prompt has {len(ids)} tokens and "
-                f"max_new_tokens is {max_new_tokens}, but the context length is "
-                f"{self.context_length}"
             )
 
     # ---- the engine thread -------------------------------------------------------------------

@@ -85,7 +85,8 @@ class MemoryManager:
         row = req.req_pool_idx
         if row is None:
             return
-        self.truncate(req, len(req.fill_ids))  # KV of an unverified draft: no tokens to cache
+        # KV of draft tokens not kept: no tokens to cache them under
+        self.truncate(req, len(req.input_ids) + len(req.output_ids))
         slots = self.req_to_token.read(row, 0, req.kv_len)
         if self.cache.enabled:
             key = req.fill_ids[: req.kv_len]

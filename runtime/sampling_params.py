@@ -180,6 +180,19 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
+def output_room_error(
+    prompt_len: int, max_new_tokens: int, context_length: int, name: str = "max_new_tokens"
+) -> str | None:
+    """Why a max_new_tokens the caller set does not fit beside the prompt (None: it fits). The
+    Engine raises it, the server answers it with a 400."""
+    if prompt_len + max_new_tokens <= context_length:
+        return None
+    return (
+        f"{name} is too large: the prompt has {prompt_len} tokens and {name} is "
+        f"{max_new_tokens}, but the context length is {context_length}"
+    )
+
+
 def _int(name: str, value: Any, low: int, high: int = MAX_INT) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -502,11 +502,12 @@ class Scheduler:
     def _take_draft(self, req: Req, draft: list[int], ids: list[int]) -> int:
         """Keep the draft tokens the model picked itself (ids[j] was sampled after draft[:j])
         and free the KV of the rest. Returns the model's token after those kept; the request
-        may have ended among them (a stop string, its token limit)."""
+        may have ended among them (a stop string, its token limit), and its release then frees
+        the KV of draft tokens it did not keep (MemoryManager.release)."""
         taken = 0
         while taken < len(draft) and ids[taken] == draft[taken]:
             taken += 1
-        self.memory.truncate(req, len(req.fill_ids) + taken)
+        self.memory.truncate(req, req.seq_len + taken)  # (its token is read: none pending)
         grammar: RequestGrammar = req.grammar
         try:
             for tid in draft[:taken]:  # NOTE: taken when the masks were filled: cannot fail
@@ -514,13 +515,11 @@ class Scheduler:
                     raise RuntimeError(f"the grammar took draft token {tid}, then refused it")
         except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
             self._grammar_failed(req, exc)
-            self.memory.truncate(req, len(req.fill_ids))
             return ids[taken]
         grammar.jump_forward_tokens += taken
         for tid in draft[:taken]:
             self.output.append_token(req, tid, None, None)
             if req.finished:
-                self.memory.truncate(req, len(req.fill_ids))
                 break
         return ids[taken]
 

@@ -42,7 +42,7 @@ from weft.runtime.messages.common import (
     Ready,
     Reply,
 )
-from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
+from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams, output_room_error
 from weft.runtime.server.errors import ApiError, bad_request, error_kind
 from weft.runtime.server.metrics import ServerMetrics
 from weft.runtime.server.middleware import cache_namespace
@@ -394,15 +394,9 @@ class TokenizerManager:
                 param=param,
                 code="prompt_too_long",
             )
-        if max_tokens_explicit and len(ids) + params.max_new_tokens > context:
-            raise ApiError(
-                f"{max_tokens_param} is too large: the prompt has {len(ids)} tokens and "
-                f"{max_tokens_param} is {params.max_new_tokens}, but the context length is "
-                f"{context}",
-                400,
-                param=max_tokens_param,
-                code="context_length_exceeded",
-            )
+        room = output_room_error(len(ids), params.max_new_tokens, context, max_tokens_param)
+        if max_tokens_explicit and room is not None:
+            raise ApiError(room, 400, param=max_tokens_param, code="context_length_exceeded")
         if logprob_start_len is not None:
             if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
                 raise bad_request("logprob_start_len must be an integer", "logprob_start_len")
