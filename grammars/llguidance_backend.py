@@ -20,6 +20,7 @@ from weft.grammars.schema_keywords import (
     spec_refusals,
     spec_schemas,
 )
+from weft.grammars.schema_order import optional_keys_last, optional_keys_last_text
 from weft.grammars.spec import JSON_WHITESPACE, GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
@@ -159,7 +160,8 @@ class LLGuidanceBackend(GrammarBackend):
             if spec.kind in ("json_schema", "json_object"):
                 layout = COMPACT_JSON_OPTIONS if self.compact_json else JSON_OPTIONS
                 options: Any = {**layout, "coerce_one_of": _one_of_as_any_of(spec)}
-                return str(M.grammar_from_json_schema(spec.text, overrides=options))
+                text = optional_keys_last_text(spec.text, spec.value)
+                return str(M.grammar_from_json_schema(text, overrides=options))
             if spec.kind == "regex":
                 return str(M.grammar_from_regex(spec.text))
             if spec.kind == "ebnf":
@@ -208,7 +210,9 @@ class LLGuidanceBackend(GrammarBackend):
         calls = []
         for i, s in enumerate(tag["structures"]):
             begin, end = self._lark_text(s["begin"]), self._lark_text(s["end"])
-            calls.append(f"call_{i}: {begin} %json {json.dumps(s['schema'])} {end}")
+            calls.append(
+                f"call_{i}: {begin} %json {json.dumps(optional_keys_last(s['schema']))} {end}"
+            )
         alternatives = " | ".join(f"call_{i}" for i in range(len(calls)))
         sep = self._lark_text(tag["separator"])
         body = f"call ({sep} call)*" if tag["repeat"] else "call"

@@ -36,6 +36,7 @@ from weft.grammars.schema_keywords import (
     subschemas,
     types_of,
 )
+from weft.grammars.schema_order import optional_keys_last
 from weft.grammars.spec import JSON_WHITESPACE_MAX, GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
@@ -143,7 +144,7 @@ def _schema_text(spec: GrammarSpec) -> str:
     if spec.kind == "json_object":
         return spec.text
     value = spec.value
-    schema = exact_lengths(value)
+    schema = _for_xgrammar(value)
     return spec.text if schema is value else json.dumps(schema)
 
 
@@ -183,13 +184,17 @@ def exact_lengths(schema: Any) -> Any:
     return rewritten if changed else schema
 
 
+def _for_xgrammar(schema: Any) -> Any:
+    return optional_keys_last(exact_lengths(schema))
+
+
 def _structural(tag: dict[str, Any]) -> dict[str, Any]:
     """weft's structural tag (grammars/spec.py) -> xgrammar's structural-tag format."""
     tags = [
         {
             "type": "tag",
             "begin": s["begin"],
-            "content": {"type": "json_schema", "json_schema": exact_lengths(s["schema"])},
+            "content": {"type": "json_schema", "json_schema": _for_xgrammar(s["schema"])},
             "end": s["end"],
         }
         for s in tag["structures"]
