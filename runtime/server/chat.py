@@ -67,7 +67,12 @@ class ChatRenderer:
             return "\n".join(str(t) for t in own.values())
         return own if isinstance(own, str) else None
 
-    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
+    def render(
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         """The prompt; `tools` (checked OpenAI tool dicts) are rendered by the template."""
         self.check_available()
         assert self.tokenizer is not None
@@ -82,7 +87,7 @@ class ChatRenderer:
                 plain,
                 tools=template_tools,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 chat_template=self.template,
             )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:

@@ -16,7 +16,7 @@ from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server import native_api, openai_api, openapi
 from weft.runtime.server.chat import ChatRenderer
-from weft.runtime.server.errors import ApiError, error_kind
+from weft.runtime.server.errors import ApiError, decode_body, error_kind
 from weft.runtime.server.metrics import CONTENT_TYPE
 from weft.runtime.server.middleware import (
     ApiKeyMiddleware,
@@ -25,7 +25,9 @@ from weft.runtime.server.middleware import (
     require_admin,
 )
 from weft.runtime.server.native_api import json_response
+from weft.runtime.server.openai_protocol import RenderChatRequest
 from weft.runtime.server.tokenizer_manager import TokenizerManager
+from weft.runtime.server.tool_calls import check_tools
 
 logger = logging.getLogger("weft")
 
@@ -96,7 +98,14 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
 
     @app.get("/get_model_info")
     async def get_model_info() -> Response:
-        return json_response(_model_info(tm))
+        return json_response(_model_info(tm, chat))
+
+    @app.post("/render_chat")
+    async def render_chat(request: Request) -> Response:
+        req = decode_body(await request.body(), RenderChatRequest)
+        tools = check_tools(req.tools) if req.tools else None
+        text = chat.render(req.messages, tools, add_generation_prompt=req.add_generation_prompt)
+        return json_response({"text": text})
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -107,7 +116,7 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
             {
                 **config.to_dict(redact=True),
                 "version": VERSION,
-                "model_info": _model_info(tm),
+                "model_info": _model_info(tm, chat),
                 "context_length": tm.info.context_length,
                 "served_model_name": tm.served_model_name,
                 "healthy": tm.healthy,
@@ -152,7 +161,7 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
     return app
 
 
-def _model_info(tm: TokenizerManager) -> dict[str, Any]:
+def _model_info(tm: TokenizerManager, chat: ChatRenderer) -> dict[str, Any]:
     source = tm.source
     return {
         "model_path": source.display_path,
@@ -166,6 +175,7 @@ def _model_info(tm: TokenizerManager) -> dict[str, Any]:
         "device": tm.info.device,
         "kv_pool_size": tm.info.kv_pool_size,
         "preferred_sampling_params": None,
+        "has_chat_template": chat.available,  # POST /render_chat renders it
     }
 
 

@@ -62,6 +62,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None  # prefix-cache namespace (as vLLM): no hit across salts
 
 
+class RenderChatRequest(msgspec.Struct, kw_only=True):
+    """POST /render_chat: the prompt the chat template makes of these messages (what a client
+    that scores or continues a role program needs; SGLang's client renders it itself)."""
+
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = False
+    tools: list[Any] | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None

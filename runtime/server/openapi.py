@@ -32,7 +32,11 @@ from weft.runtime.sampling_params import (
 )
 from weft.runtime.server.native_api import UNSUPPORTED_FIELDS, GenerateReqInput
 from weft.runtime.server.openai_api import MAX_TOP_LOGPROBS, RESPONSE_FORMATS
-from weft.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from weft.runtime.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RenderChatRequest,
+)
 
 _REF = "#/components/schemas/{name}"
 NULL = {"type": "null"}
@@ -112,7 +116,13 @@ def _with_range(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _request_schemas() -> dict[str, Any]:
-    structs = [GenerateReqInput, CompletionRequest, ChatCompletionRequest, SamplingParams]
+    structs = [
+        GenerateReqInput,
+        CompletionRequest,
+        ChatCompletionRequest,
+        RenderChatRequest,
+        SamplingParams,
+    ]
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     for name in ("CompletionRequest", "ChatCompletionRequest", "GenerateReqInput"):
         props = components[name]["properties"]
@@ -353,6 +363,17 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             "503": _UNAVAILABLE,
         },
         open=True,
+    ),
+    ("post", "/render_chat"): Operation(
+        "RenderChatRequest",
+        {
+            "200": _json(
+                "the prompt the chat template makes of the messages",
+                {"type": "object", "properties": {"text": STRING}, "required": ["text"]},
+            ),
+            "400": _INVALID,
+            "413": _TOO_LARGE,
+        },
     ),
     ("post", "/generate"): Operation("GenerateReqInput", {"200": _GENERATE, **_GENERATION_ERRORS}),
     ("post", "/abort_request"): Operation(

@@ -48,6 +48,7 @@ from weft.runtime.server.metrics import ServerMetrics
 from weft.runtime.server.middleware import cache_namespace
 from weft.runtime.server.request_log import RequestLog, request_record
 from weft.runtime.server_config import ServerConfig
+from weft.runtime.tokenizer import encode_prompt
 
 logger = logging.getLogger("weft")
 
@@ -304,7 +305,7 @@ class TokenizerManager:
             self._check_text(text, param)
         assert tokenizer is not None  # (checked)
         if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
-            return [list(tokenizer.encode(t, add_special_tokens=add_special_tokens)) for t in texts]
+            return [encode_prompt(tokenizer, t, add_special_tokens) for t in texts]
         key = ("tokenize", tuple(texts), add_special_tokens)
         return off_loop(key, lambda: _encode_and_trim(tokenizer, texts, add_special_tokens))
 
@@ -738,7 +739,7 @@ def _longest_token(tokenizer: PreTrainedTokenizerBase) -> int:
 def _encode_and_trim(
     tokenizer: PreTrainedTokenizerBase, texts: tuple[str, ...] | list[str], add_special: bool
 ) -> list[list[int]]:
-    ids = [list(tokenizer.encode(t, add_special_tokens=add_special)) for t in texts]
+    ids = [encode_prompt(tokenizer, t, add_special) for t in texts]
     if sum(len(t) for t in texts) >= TRIM_AFTER_CHARS:
         _malloc_trim()  # NOTE: glibc keeps the tokenizer's freed arenas (180 MiB once) otherwise
     return ids
