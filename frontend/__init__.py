@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
-from weft.frontend.api import assistant, gen, select, system, user
+from weft.frontend.api import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    select,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+)
 from weft.frontend.backend import Backend, BackendError
+from weft.frontend.choices import (
+    ChoicesDecision,
+    ChoicesSamplingMethod,
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
 from weft.frontend.openai_backend import OpenAIBackend
-from weft.frontend.program import Plan, Program, function
+from weft.frontend.program import (
+    Plan,
+    Program,
+    function,
+    get_default_backend,
+    set_default_backend,
+)
 from weft.frontend.runtime_endpoint import RuntimeEndpoint
 from weft.frontend.state import ForkGroup, ProgramError, ProgramState
 
 __all__ = [
     "Backend",
     "BackendError",
+    "ChoicesDecision",
+    "ChoicesSamplingMethod",
     "ForkGroup",
     "OpenAIBackend",
     "Plan",
@@ -20,9 +49,22 @@ __all__ = [
     "ProgramState",
     "RuntimeEndpoint",
     "assistant",
+    "assistant_begin",
+    "assistant_end",
     "function",
     "gen",
+    "gen_int",
+    "gen_string",
+    "get_default_backend",
+    "greedy_token_selection",
     "select",
+    "set_default_backend",
     "system",
+    "system_begin",
+    "system_end",
+    "token_length_normalized",
+    "unconditional_likelihood_normalized",
     "user",
+    "user_begin",
+    "user_end",
 ]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from weft.frontend.choices import ChoicesSamplingMethod, choices_method_named
 from weft.frontend.ir import (
     ROLES,
-    SELECT_METHODS,
     DType,
     Gen,
+    ModelType,
     Node,
     RoleBegin,
     RoleEnd,
@@ -76,12 +77,17 @@ def _constraint(
     if key == "dtype":
         return {"regex": value.regex}
     if key == "json_schema" and not isinstance(value, str):
-        if hasattr(value, "model_json_schema"):  # a pydantic model class
+        if _is_model(value):
             value = value.model_json_schema()
         value = json.dumps(value)
     if not isinstance(value, str):
         raise ValueError(f"gen({name!r}): {key} must be a string")
     return {key: value}
+
+
+def _is_model(value: Any) -> bool:
+    """A pydantic model class (not an instance)."""
+    return isinstance(value, type) and hasattr(value, "model_json_schema")
 
 
 def _dtype(name: str | None, value: Any) -> DType:
@@ -110,12 +116,34 @@ def gen(
     ebnf: str | None = None,
     choices: list[str] | None = None,
     dtype: type | str | None = None,
+    choices_method: str | ChoicesSamplingMethod = "token_length_normalized",
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    n: int = 1,
 ) -> Node:
-    """Generate text into variable `name`; unset parameters take the run's defaults."""
-    kind = None if dtype is None else _dtype(name, dtype)
-    constraint = _constraint(name, regex, json_schema, ebnf, kind)
+    """Generate text into variable `name` (the text, or what `dtype` / a pydantic `json_schema`
+    reads from it); unset parameters take the run's defaults.
+
+    - sampling: max_tokens, min_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
+      frequency_penalty, presence_penalty, ignore_eos (SGLang's meanings).
+    - one constraint at most: `regex`; `json_schema` (JSON text, a dict, or a pydantic model
+      class: the variable then holds the validated instance); `ebnf`; `dtype` (int, float,
+      bool or str: the variable holds the value); `choices` (the same as `select`, scored by
+      `choices_method`).
+    - logprobs, into the variable's meta info (`s.get_meta_info(name)`): return_logprob,
+      logprob_start_len, top_logprobs_num, return_text_in_logprobs.
+    - n: one sample per gen; for several, fork the state (`s.fork(n)`) and gen in each.
+    """
+    if n != 1:
+        raise ValueError(f"gen({name!r}): n={n}: one sample per gen; fork the state for more")
+    reader: DType | ModelType | None = None if dtype is None else _dtype(name, dtype)
+    constraint = _constraint(name, regex, json_schema, ebnf, reader)
+    if _is_model(json_schema):
+        reader = ModelType(json_schema)
     if choices is not None:
-        return select(name, choices)
+        return select(name, choices, choices_method)
     local = {
         "max_tokens": max_tokens,
         "min_tokens": min_tokens,
@@ -130,23 +158,35 @@ def gen(
         "ignore_eos": ignore_eos,
     }
     params = {SAMPLING_NAMES[k]: v for k, v in local.items() if v is not None}
-    return Gen(name, {**params, **constraint}, kind)
+    asked = {
+        "return_logprob": return_logprob,
+        "logprob_start_len": logprob_start_len,
+        "top_logprobs_num": top_logprobs_num,
+        "return_text_in_logprobs": return_text_in_logprobs,
+    }
+    options = {k: v for k, v in asked.items() if v is not None}
+    return Gen(name, {**params, **constraint}, reader, options)
 
 
 def select(
     name: str | None = None,
     choices: list[str] | None = None,
-    choices_method: str = "token_length_normalized",
+    choices_method: str | ChoicesSamplingMethod = "token_length_normalized",
+    temperature: float = 0.0,
 ) -> Node:
-    """Pick one of `choices` by the likelihood the model gives it after the text so far."""
+    """Pick one of `choices` by the likelihood the model gives it after the text so far.
+
+    `choices_method`: `weft.token_length_normalized` (the mean token logprob; the default),
+    `weft.greedy_token_selection`, `weft.unconditional_likelihood_normalized`, their names as
+    strings, or an instance of a `weft.ChoicesSamplingMethod` subclass. The variable holds the
+    choice; its meta info the scores and token logprobs. `temperature` must be 0 (selects are
+    argmax, as in SGLang)."""
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"select({name!r}): choices must be a non-empty list of non-empty strings")
-    if choices_method not in SELECT_METHODS:
-        raise ValueError(
-            f"select({name!r}): unknown choices_method {choices_method!r}; "
-            f"one of {', '.join(SELECT_METHODS)}"
-        )
-    return Select(name, list(choices), choices_method)
+    if temperature != 0:
+        raise ValueError(f"select({name!r}): temperature must be 0 (a select is an argmax)")
+    method = choices_method_named(f"select({name!r})", choices_method)
+    return Select(name, list(choices), method)
 
 
 def _role(role: str, content: object) -> Node:
@@ -164,3 +204,37 @@ def user(content: object = "") -> Node:
 
 def assistant(content: object = "") -> Node:
     return _role("assistant", content)
+
+
+def system_begin() -> Node:
+    return RoleBegin("system")
+
+
+def system_end() -> Node:
+    return RoleEnd("system")
+
+
+def user_begin() -> Node:
+    return RoleBegin("user")
+
+
+def user_end() -> Node:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> Node:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> Node:
+    return RoleEnd("assistant")
+
+
+def gen_int(name: str | None = None, **kwargs: Any) -> Node:
+    """gen(name, dtype=int, ...)"""
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs: Any) -> Node:
+    """gen(name, dtype=str, ...): a quoted string literal; the variable holds the string"""
+    return gen(name, dtype=str, **kwargs)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 Message = dict[str, str]
-ChatRenderer = Callable[[list[Message]], str]
+# the model's chat template: messages -> the prompt text they render to (no generation prompt)
+ChatRenderer = Callable[[list[Message]], Awaitable[str]]
 # (logprob or None for the first token, token id), one entry per prompt position from `start`
 TokenLogprobs = list[tuple[float | None, int]]
 
@@ -33,11 +34,16 @@ class Backend(ABC):
     name = "backend"
 
     @abstractmethod
-    async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
-        """One continuation of `prompt`."""
+    async def generate(
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
+    ) -> GenResult:
+        """One continuation of `prompt`; `options`: return_logprob, logprob_start_len,
+        top_logprobs_num, return_text_in_logprobs (the logprobs go into meta)."""
 
     @abstractmethod
-    def generate_stream(self, prompt: str, params: dict[str, Any]) -> AsyncIterator[GenResult]:
+    def generate_stream(
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
+    ) -> AsyncIterator[GenResult]:
         """Cumulative results of one continuation; meta on the last."""
 
     async def prompt_logprobs(self, prompt: str, start: int) -> TokenLogprobs:

@@ -51,6 +51,28 @@ async def get_json(url: str, api_key: str | None) -> Any:
         return resp.json()
 
 
+def get_json_sync(url: str, api_key: str | None) -> Any:
+    """GET from sync code (setting a backend up, outside any program's loop)."""
+    try:
+        resp = httpx.get(url, headers=headers(api_key), timeout=TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise BackendError(f"cannot reach {url}: {exc}") from exc
+    if resp.status_code != 200:
+        raise _error(resp, resp.content)
+    return resp.json()
+
+
+def post_sync(url: str, api_key: str | None) -> bool:
+    """An empty POST from sync code: True on 200, False on 400 (the server said not now)."""
+    try:
+        resp = httpx.post(url, headers=headers(api_key), timeout=TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise BackendError(f"cannot reach {url}: {exc}") from exc
+    if resp.status_code not in (200, 400):
+        raise _error(resp, resp.content)
+    return resp.status_code == 200
+
+
 async def post_sse(url: str, body: dict[str, Any], api_key: str | None) -> AsyncIterator[Any]:
     """The parsed `data:` events of a streamed response, up to `data: [DONE]`."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from weft.frontend.choices import ChoicesSamplingMethod, token_length_normalized
+
 ROLES = ("system", "user", "assistant")
-SELECT_METHODS = ("token_length_normalized", "greedy", "unconditional_likelihood_normalized")
 
 
 class Node:
@@ -39,6 +40,7 @@ class DType:
     name: str  # int | float | bool | str
     regex: str
     convert: Callable[[str], Any]  # text that matches the regex, stripped -> the value
+    keyword = "dtype"  # the gen() argument it came from
 
     def __repr__(self) -> str:
         return self.name
@@ -54,16 +56,36 @@ class DType:
         return self.convert(body)
 
 
+@dataclass(frozen=True, repr=False)
+class ModelType:
+    """gen(json_schema=SomePydanticModel): the variable holds the validated instance."""
+
+    cls: Any  # a pydantic BaseModel subclass
+    keyword = "json_schema"  # the gen() argument it came from
+
+    def __repr__(self) -> str:
+        return str(self.cls.__name__)
+
+    def value(self, text: str) -> Any:
+        """The instance; pydantic's ValidationError (a ValueError) when the output is not one
+        (cut off by max_tokens, say)."""
+        return self.cls.model_validate_json(text)
+
+
 @dataclass(repr=False)
 class Gen(Node):
     name: str | None
     params: dict[str, Any] = field(default_factory=dict)
-    dtype: DType | None = None  # the variable holds this type's value, not the text
+    # what the variable holds instead of the text: a dtype's value, a pydantic instance
+    reader: DType | ModelType | None = None
+    # request options beside the sampling parameters (return_logprob, top_logprobs_num, ...)
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         args = [repr(self.name)] + [f"{k}={v!r}" for k, v in self.params.items()]
-        if self.dtype is not None:
-            args.append(f"dtype={self.dtype!r}")
+        args += [f"{k}={v!r}" for k, v in self.options.items()]
+        if self.reader is not None:
+            args.append(f"{self.reader.keyword}={self.reader!r}")
         return f"Gen({', '.join(args)})"
 
 
@@ -71,7 +93,7 @@ class Gen(Node):
 class Select(Node):
     name: str | None
     choices: list[str]
-    method: str = "token_length_normalized"
+    method: ChoicesSamplingMethod = token_length_normalized
 
     def __repr__(self) -> str:
         return f"Select({self.name!r}, {self.choices!r}, method={self.method!r})"

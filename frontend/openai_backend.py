@@ -30,6 +30,14 @@ def chat_result(out: dict[str, Any]) -> GenResult:
     return GenResult(choice["message"].get("content") or "", meta)
 
 
+def _no_options(options: dict[str, Any] | None) -> None:
+    if options:
+        raise BackendError(
+            f"OpenAIBackend: {', '.join(options)} not supported here (the OpenAI API has no "
+            "prompt logprobs); use weft.Engine or weft.RuntimeEndpoint"
+        )
+
+
 class OpenAIBackend(Backend):
     name = "OpenAIBackend"
 
@@ -41,7 +49,10 @@ class OpenAIBackend(Backend):
     def __repr__(self) -> str:
         return f"OpenAIBackend({self.base_url!r}, {self.model!r})"
 
-    async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
+    async def generate(
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
+    ) -> GenResult:
+        _no_options(options)
         body = {"model": self.model, "prompt": prompt, **openai_params(params)}
         out = await post_json(self.base_url + "/completions", body, self.api_key)
         choice = out["choices"][0]
@@ -49,8 +60,9 @@ class OpenAIBackend(Backend):
         return GenResult(choice["text"], meta)
 
     async def generate_stream(
-        self, prompt: str, params: dict[str, Any]
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
     ) -> AsyncIterator[GenResult]:
+        _no_options(options)
         body = {"model": self.model, "prompt": prompt, "stream": True, **openai_params(params)}
         text = ""
         async for event in post_sse(self.base_url + "/completions", body, self.api_key):

@@ -16,6 +16,25 @@ from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, as_
 from weft.frontend.state import PlannedRequest, ProgramState, RunContext
 
 WARM_MIN_CHARS = 32  # a shared batch prefix shorter than this is not sent ahead
+_default_backend: Backend | None = None
+
+
+def set_default_backend(backend: Any) -> None:
+    """The backend programs run on when `run`, `run_batch` or a call names none."""
+    global _default_backend
+    _default_backend = None if backend is None else as_backend(backend)
+
+
+def get_default_backend() -> Backend | None:
+    return _default_backend
+
+
+def _backend(backend: Any) -> Backend:
+    if backend is not None:
+        return as_backend(backend)
+    if _default_backend is None:
+        raise ValueError("no backend: pass backend=... or call weft.set_default_backend(...) first")
+    return _default_backend
 
 
 def _defaults(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -48,29 +67,39 @@ class Program:
         state = ProgramState(ctx)
         try:
             self.func(state, *args, **kwargs)
-        finally:
+        except BaseException:
             ctx.close()
+            ctx.cancel_all()
+            raise
+        ctx.close()
         return state
 
-    def run(self, *args: Any, backend: Any, stream: bool = False, **kwargs: Any) -> ProgramState:
-        """Run once. Keyword arguments the function takes go to it; the rest are sampling
-        defaults (max_new_tokens, temperature, ...). With stream=True the state comes back at
-        once: read it with state.text_iter(name)."""
+    def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
+        """`prog(...)` is `prog.run(...)` (as in SGLang)."""
+        return self.run(*args, **kwargs)
+
+    def run(
+        self, *args: Any, backend: Any = None, stream: bool = False, **kwargs: Any
+    ) -> ProgramState:
+        """Run once, on `backend` (an Engine, RuntimeEndpoint or OpenAIBackend; default: the
+        one given to weft.set_default_backend). Keyword arguments the function takes go to it;
+        the rest are sampling defaults (max_new_tokens, temperature, ...). With stream=True the
+        state comes back at once: read it with state.text_iter(name)."""
         fn_kwargs, sampling = self._split(kwargs)
-        ctx = RunContext(as_backend(backend), asyncio.new_event_loop(), _defaults(sampling), stream)
+        ctx = RunContext(_backend(backend), asyncio.new_event_loop(), _defaults(sampling), stream)
         state = self._start(ctx, args, fn_kwargs)
         if not stream:
             ctx.block(ctx.wait_all())
         return state
 
     async def run_async(
-        self, *args: Any, backend: Any, stream: bool = False, **kwargs: Any
+        self, *args: Any, backend: Any = None, stream: bool = False, **kwargs: Any
     ) -> ProgramState:
         """Run on the caller's event loop. The function must not read a variable before the end
         (nothing can block there); with stream=True use `async for x in state.text_async_iter()`."""
         fn_kwargs, sampling = self._split(kwargs)
         loop = asyncio.get_running_loop()
-        ctx = RunContext(as_backend(backend), loop, _defaults(sampling), stream)
+        ctx = RunContext(_backend(backend), loop, _defaults(sampling), stream)
         state = self._start(ctx, args, fn_kwargs)
         if not stream:
             await ctx.wait_all()
@@ -80,14 +109,23 @@ class Program:
         self,
         batch_kwargs: list[dict[str, Any]],
         *,
-        backend: Any,
+        backend: Any = None,
         progress_bar: bool = False,
         max_concurrency: int | None = None,
+        num_threads: int | str = "auto",
         **sampling: Any,
     ) -> list[ProgramState]:
         """Run once per kwargs dict, all on one event loop, at most `max_concurrency` requests
-        in flight. A failed program keeps its error: reading its state raises it."""
-        be = as_backend(backend)
+        in flight. A failed program keeps its error: reading its state raises it.
+
+        `num_threads` (SGLang's name): an int caps the requests in flight like
+        `max_concurrency` (weft runs a batch's programs as tasks on one loop, not threads);
+        "auto" leaves them uncapped."""
+        if num_threads != "auto":
+            if not isinstance(num_threads, int) or num_threads < 1:
+                raise ValueError(f"num_threads must be 'auto' or an int >= 1, got {num_threads!r}")
+            max_concurrency = min(max_concurrency or num_threads, num_threads)
+        be = _backend(backend)
         defaults = _defaults(sampling)
         loop = asyncio.new_event_loop()
         prefix = self._shared_prefix(be, batch_kwargs, sampling)
@@ -131,10 +169,12 @@ class Program:
 
     def trace(self, *args: Any, backend: Any = None, **kwargs: Any) -> Plan:
         """The requests a run would send, without a model: gens answer with a placeholder,
-        selects pick the first choice. Pass `backend` to render roles with its chat template."""
+        selects pick the first choice. Pass `backend` to render roles with its chat template
+        (without one, roles render as `<|role|>` lines)."""
         fn_kwargs, sampling = self._split(kwargs)
-        renderer = as_backend(backend).chat_renderer() if backend is not None else None
+        renderer = as_backend(backend).chat_renderer() if backend is not None else _placeholder
         ctx = RunContext(_TraceBackend(renderer), asyncio.new_event_loop(), _defaults(sampling))
+        ctx.tracing = True
         self._start(ctx, args, fn_kwargs)
         ctx.block(ctx.wait_all())
         return Plan(ctx.plan)
@@ -168,19 +208,26 @@ class Plan(list[PlannedRequest]):
         return "\n".join(f"{i + 1:>3}. {r}" for i, r in enumerate(self))
 
 
+async def _placeholder(messages: list[Message]) -> str:
+    """A stand-in chat template for traces without a backend."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+
+
 class _TraceBackend(Backend):
     name = "trace"
 
     def __init__(self, renderer: ChatRenderer | None) -> None:
         self._renderer = renderer
 
-    async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
+    async def generate(
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
+    ) -> GenResult:
         # one token per character, as in prompt_logprobs below
         meta = {"prompt_tokens": len(prompt)}
         return GenResult("" if params.get("max_new_tokens") == 0 else "<gen>", meta)
 
     async def generate_stream(
-        self, prompt: str, params: dict[str, Any]
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
     ) -> AsyncIterator[GenResult]:
         yield GenResult("<gen>")
 

@@ -1,10 +1,11 @@
 """A weft (or SGLang) server through its native API: POST /generate.
 
-The native API does not expose the chat template, and the frontend never guesses one, so a role
-program runs its gens through POST /v1/chat/completions with the conversation as OpenAI messages
-(the server applies the model's own template). That covers gens at the start of an assistant
-turn; text outside roles, a partly written assistant turn or a select inside a role program
-need a backend that renders the template (weft.Engine).
+Role programs run as they do on weft.Engine: a weft server renders the model's chat template
+for the client (POST /render_chat; `has_chat_template` in /get_model_info says it can), so gens
+and selects anywhere in a role program go over /generate and score there, and `s.text()` is
+the rendered conversation. A server that renders nothing for clients (an SGLang server) gets
+each gen of a role program through POST /v1/chat/completions instead, which covers gens at the
+start of an assistant turn (the frontend never guesses a template).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from weft.frontend.backend import Backend, GenResult, Message, TokenLogprobs
-from weft.frontend.http_client import get_json, post_json, post_sse
+from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, TokenLogprobs
+from weft.frontend.http_client import get_json, get_json_sync, post_json, post_sse, post_sync
 from weft.frontend.openai_backend import chat_body, chat_result
 
 
@@ -24,20 +25,22 @@ class RuntimeEndpoint(Backend):
         self.url = url.rstrip("/")
         self.api_key = api_key
         self._model: str | None = None
+        self._info: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"RuntimeEndpoint({self.url!r})"
 
-    async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
-        out = await post_json(
-            self.url + "/generate", {"text": prompt, "sampling_params": params}, self.api_key
-        )
+    async def generate(
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
+    ) -> GenResult:
+        body = {"text": prompt, "sampling_params": params, **(options or {})}
+        out = await post_json(self.url + "/generate", body, self.api_key)
         return GenResult(out["text"], out["meta_info"])
 
     async def generate_stream(
-        self, prompt: str, params: dict[str, Any]
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
     ) -> AsyncIterator[GenResult]:
-        body = {"text": prompt, "sampling_params": params, "stream": True}
+        body = {"text": prompt, "sampling_params": params, "stream": True, **(options or {})}
         async for event in post_sse(self.url + "/generate", body, self.api_key):
             yield GenResult(event["text"], event["meta_info"])
 
@@ -50,6 +53,31 @@ class RuntimeEndpoint(Backend):
         }
         out = await post_json(self.url + "/generate", body, self.api_key)
         return [(e[0], int(e[1])) for e in out["meta_info"]["input_token_logprobs"]]
+
+    def get_model_info(self) -> dict[str, Any]:
+        """The server's /get_model_info (fetched once)."""
+        if self._info is None:
+            self._info = dict(get_json_sync(self.url + "/get_model_info", self.api_key))
+        return self._info
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The server's /get_server_info (its configuration and state)."""
+        return dict(get_json_sync(self.url + "/get_server_info", self.api_key))
+
+    def flush_cache(self) -> bool:
+        """Empty the server's prefix cache; False while requests are running."""
+        return post_sync(self.url + "/flush_cache", self.api_key)
+
+    def chat_renderer(self) -> ChatRenderer | None:
+        if not self.get_model_info().get("has_chat_template"):
+            return None
+
+        async def render(messages: list[Message]) -> str:
+            body = {"messages": messages, "add_generation_prompt": False}
+            out = await post_json(self.url + "/render_chat", body, self.api_key)
+            return str(out["text"])
+
+        return render
 
     async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
         if self._model is None:

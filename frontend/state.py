@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from weft.frontend.backend import Backend, GenResult, Message, TokenLogprobs
+from weft.frontend.choices import ChoicesDecision
 from weft.frontend.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, flatten
-from weft.frontend.scoring import choose
 
 T = TypeVar("T")
 _SENTINEL = "\x00weft-role-content\x00"
@@ -59,6 +59,7 @@ class RunContext:
         self.plan: list[PlannedRequest] = []
         self.states: list[ProgramState] = []
         self.closed = False  # the program's Python body has returned
+        self.tracing = False  # Program.trace: selects pick their first choice
 
     def block(self, aw: Awaitable[T]) -> T:
         """Run the loop until `aw` is done; only from sync code (no loop running)."""
@@ -75,6 +76,15 @@ class RunContext:
         self.closed = True
         for s in self.states:
             s._wake.set()
+
+    def cancel_all(self) -> None:
+        """Cancel what the states queued (the program's body raised), and let the tasks end
+        on the loop when nothing else runs it (a run's own loop)."""
+        tasks = [s._task for s in self.states if s._task is not None and not s._task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks and not self.loop.is_running():
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
     async def wait_all(self) -> None:
         """Until every state of the run (forks included) has drained; then the first error
@@ -113,12 +123,22 @@ class _ForkPoint:
         return f"Fork({len(self.children)})"
 
 
+JOIN_MODES = ("gather_variable", "concate_and_append")
+
+
 class _JoinPoint:
-    def __init__(self, children: list[ProgramState]) -> None:
+    def __init__(self, children: list[ProgramState], append: bool = False) -> None:
         self.children = children
+        self.append = append
 
     def __repr__(self) -> str:
         return f"Join({len(self.children)})"
+
+
+@dataclass
+class _SetVar:
+    name: str
+    value: Any
 
 
 class _RoleBlock:
@@ -142,11 +162,17 @@ class ForkGroup(list["ProgramState"]):
         super().__init__(states)
         self.parent = parent
 
-    def join(self) -> None:
+    def join(self, mode: str = "gather_variable") -> None:
         """Queued on the parent like any other step, so the program's body goes on (the other
         programs of a batch keep running on the loop); reading the parent waits for it.
+
+        mode "gather_variable": each variable the forks all set becomes a list on the parent.
+        mode "concate_and_append" (SGLang's spelling): the text each fork added is appended to
+        the parent, fork after fork, and the variables are gathered as well.
         NOTE: joining here by blocking would run a batch's programs one at a time."""
-        self.parent._push([_JoinPoint(list(self))])
+        if mode not in JOIN_MODES:
+            raise ValueError(f"join mode must be one of {', '.join(JOIN_MODES)}; got {mode!r}")
+        self.parent._push([_JoinPoint(list(self), append=mode == "concate_and_append")])
 
 
 class ProgramState:
@@ -159,7 +185,8 @@ class ProgramState:
         self._messages: list[Message] = []
         self._role: _OpenRole | None = None
         self._outside_roles = False  # text was added outside any role
-        self._pending: deque[Node | _ForkPoint | _JoinPoint] = deque()
+        self._forked_at = 0  # a fork's length of text inherited from its parent
+        self._pending: deque[Node | _ForkPoint | _JoinPoint | _SetVar] = deque()
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
@@ -200,6 +227,16 @@ class ProgramState:
         return self.fork(1)[0]
 
     # ---- reading results (blocks until this state's queue has run) -----------------------------
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        """Set a variable, in program order (after what was added before it runs)."""
+        self._push([_SetVar(name, value)])
+
+    def set_var(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def get_var(self, name: str) -> Any:
+        return self[name]
 
     def __getitem__(self, name: str) -> Any:
         self._sync()
@@ -287,7 +324,7 @@ class ProgramState:
 
     # ---- the interpreter -------------------------------------------------------------------------
 
-    def _push(self, nodes: list[Node | _ForkPoint | _JoinPoint]) -> None:
+    def _push(self, nodes: list[Node | _ForkPoint | _JoinPoint | _SetVar]) -> None:
         if self._error is not None:
             raise self._error
         self._pending.extend(nodes)
@@ -329,6 +366,9 @@ class ProgramState:
         self._events.append((var, piece))
         self._wake.set()
 
+    async def _run_SetVar(self, node: _SetVar) -> None:
+        self._vars[node.name] = node.value
+
     async def _run_Text(self, node: Text) -> None:
         self._emit(node.value)
 
@@ -338,8 +378,8 @@ class ProgramState:
         prefix = suffix = ""
         render = self._ctx.renderer
         if render is not None:
-            before = render(self._messages) if self._messages else ""
-            probe = render([*self._messages, {"role": node.role, "content": _SENTINEL}])
+            before = await render(self._messages) if self._messages else ""
+            probe = await render([*self._messages, {"role": node.role, "content": _SENTINEL}])
             cut = probe.index(_SENTINEL)
             if not probe[:cut].startswith(before):
                 raise ProgramError(
@@ -371,13 +411,13 @@ class ProgramState:
                 self._emit(result.text, node.name)
             elif ctx.stream:
                 result, seen = GenResult(""), ""
-                pieces = ctx.backend.generate_stream(self._text, params)
+                pieces = ctx.backend.generate_stream(self._text, params, *_options(node))
                 await ctx.request("stream", label, self._text, params, _none())
                 async for result in pieces:  # cumulative text
                     self._emit(result.text[len(seen) :], node.name)
                     seen = result.text
             else:
-                gen = ctx.backend.generate(self._text, params)
+                gen = ctx.backend.generate(self._text, params, *_options(node))
                 result = await ctx.request("generate", label, self._text, params, gen)
                 self._emit(result.text, node.name)
         except ProgramError:
@@ -395,7 +435,8 @@ class ProgramState:
             raise ProgramError(
                 f"{label}: {name} has no chat template to render roles, so a gen in a role "
                 "program must start an assistant turn, with no text outside roles "
-                "(use weft.Engine, which renders the model's template, for anything else)"
+                "(weft.Engine, or weft.RuntimeEndpoint on a weft server, render the model's "
+                "template and run anything else)"
             )
         msgs = [dict(m) for m in self._messages]
         aw = self._ctx.backend.chat(msgs, params)
@@ -407,7 +448,8 @@ class ProgramState:
         if self._chat_mode():
             raise ProgramError(
                 f"{label}: {self._ctx.backend.name} has no chat template, so select cannot score "
-                "choices inside a role program (use weft.Engine)"
+                "choices inside a role program (use weft.Engine, or weft.RuntimeEndpoint on a "
+                "weft server: both render the model's template)"
             )
         try:
             index, meta = await self._score(label, node)
@@ -430,17 +472,26 @@ class ProgramState:
             *(self._choice_logprobs(label, prefix, tail, c) for c in node.choices)
         )
         uncond = None
-        if node.method == "unconditional_likelihood_normalized":
+        if node.method.requires_unconditional_logprobs:
             alone = await asyncio.gather(*(self._logprobs(label, c, 0) for c in node.choices))
-            uncond = [[lp for lp, _ in e] for e in alone]
-        index, scores = choose(node.method, list(cond), uncond)
+            uncond = [[(lp, tid, None) for lp, tid in e] for e in alone]
+        method = _first_choice if self._ctx.tracing else node.method
+        decision = method(
+            choices=list(node.choices),
+            normalized_prompt_logprobs=[_mean([e[0] for e in c]) for c in cond],
+            input_token_logprobs=list(cond),
+            output_token_logprobs=[[] for _ in node.choices],
+            unconditional_token_logprobs=uncond,
+        )
+        if decision.decision not in node.choices:
+            raise ProgramError(f"{label}: {node.method!r} chose {decision.decision!r}, no choice")
         meta = {
-            "choice": node.choices[index],
-            "scores": scores,
-            "input_token_logprobs": list(cond),
-            "unconditional_token_logprobs": uncond,
+            "choice": decision.decision,
+            "input_token_logprobs": [[e[0] for e in c] for c in cond],
+            "unconditional_token_logprobs": uncond and [[e[0] for e in u] for u in uncond],
+            **decision.meta_info,
         }
-        return index, meta
+        return node.choices.index(decision.decision), meta
 
     async def _logprobs(self, label: str, prompt: str, start: int) -> TokenLogprobs:
         aw = self._ctx.backend.prompt_logprobs(prompt, start)
@@ -467,7 +518,7 @@ class ProgramState:
 
     async def _choice_logprobs(
         self, label: str, prefix: str, tail: _Tail, choice: str
-    ) -> list[float]:
+    ) -> list[tuple[float, int, None]]:
         # NOTE: prefix + choice may tokenize differently at the seam (" yes" swallowing the
         # prefix's trailing space); the choice's tokens start where the ids first differ.
         entries = await self._logprobs(label, prefix + choice, tail.start)
@@ -477,11 +528,15 @@ class ProgramState:
             entries = await self._logprobs(label, prefix + choice, 0)
             at = tail.seam([tid for _, tid in entries])
             assert at is not None
-        return [lp for lp, _ in entries[at - tail.start :] if lp is not None]
+        return [(lp, tid, None) for lp, tid in entries[at - tail.start :] if lp is not None]
 
     async def _run_JoinPoint(self, node: _JoinPoint) -> None:
         for s in node.children:
             await s.wait()
+        if node.append:
+            for s in node.children:
+                # a fork starts from the parent's text at the fork point: its own part follows
+                self._emit(s._text[s._forked_at :])
         names = [n for n in node.children[0]._vars if all(n in s._vars for s in node.children)]
         for n in names:
             if any(s._vars[n] is not self._vars.get(n) for s in node.children):
@@ -498,6 +553,7 @@ class ProgramState:
                 raise ProgramError(f"fork({len(node.children)}) failed: {exc}") from exc
         for c in node.children:
             c._text = self._text
+            c._forked_at = len(self._text)
             c._vars = dict(self._vars)
             c._meta = dict(self._meta)
             c._messages = [dict(m) for m in self._messages]
@@ -528,15 +584,29 @@ class _Tail:
 
 def _value(label: str, node: Gen, result: GenResult) -> Any:
     """What a gen's variable holds: its text, or the value it spells for gen(dtype=...)."""
-    if node.dtype is None:
+    if node.reader is None:
         return result.text
     try:
-        return node.dtype.value(result.text)
+        return node.reader.value(result.text)
     except ValueError as exc:
         finish = result.meta.get("finish_reason")
         raise ProgramError(
-            f"{label} with dtype={node.dtype!r}: {exc}; finish_reason {finish}"
+            f"{label} with {node.reader.keyword}={node.reader!r}: {exc}; finish_reason {finish}"
         ) from exc
+
+
+def _first_choice(*, choices: list[str], **_: Any) -> ChoicesDecision:
+    return ChoicesDecision(choices[0], {"scores": [0.0] * len(choices)})
+
+
+def _options(node: Gen) -> tuple[dict[str, Any], ...]:
+    """The gen's request options as an extra argument, only where it has any (a Backend
+    written before options takes two arguments)."""
+    return (dict(node.options),) if node.options else ()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 async def _none() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -31,7 +32,7 @@ from weft.runtime.sampling_params import (
     output_room_error,
 )
 from weft.runtime.scheduler import Scheduler
-from weft.runtime.tokenizer import end_token_ids, load_tokenizer
+from weft.runtime.tokenizer import encode_prompt, end_token_ids, load_tokenizer
 
 logger = logging.getLogger("weft")
 
@@ -56,6 +57,15 @@ class _Pending:
 
 
 class Engine:
+    """The model served in-process: `weft.Engine(model_path=None, **options)`.
+
+    model_path: an HF model folder or a .gguf file; None is the embedded default model. Every
+    option is a field of `weft.runtime.config.EngineConfig` (the same as `weft serve`'s flags,
+    underscores for dashes); the list is below. Use it directly (`generate`, `async_generate`,
+    `generate_stream`, with SGLang's sampling parameters) or as a program backend
+    (`prog.run(backend=engine)`); `shutdown()` when done.
+    """
+
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model_path=model_path, **kwargs)
         _setup_logging(self.config.log_level)
@@ -330,7 +340,7 @@ class Engine:
             raise ValueError("this model has no tokenizer: pass input_ids instead of prompt")
         if not prompt:
             raise ValueError("prompt is empty")
-        return list(self.tokenizer.encode(prompt))
+        return encode_prompt(self.tokenizer, prompt)
 
     def _check_ids(self, ids: list[int]) -> None:
         if not ids:
@@ -553,6 +563,20 @@ def _failure(error: BaseException) -> BaseException:
     if isinstance(error, ValueError):
         return ValueError(str(error))
     return RuntimeError(f"generation failed: {error}")
+
+
+def _options_doc() -> str:
+    """One line per Engine option, from EngineConfig's own help texts."""
+    lines = ["\n    Options (default):"]
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model_path":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else "..."
+        lines.append(f"        {f.name} ({default!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines) + "\n"
+
+
+Engine.__doc__ = (Engine.__doc__ or "") + _options_doc()
 
 
 def _setup_logging(level: str) -> None:

@@ -58,6 +58,18 @@ def stories_dir() -> Path:
     return fixture_path("models", "stories260K-hf")
 
 
+@pytest.fixture(scope="session")
+def qwen_server():
+    """One server with the embedded default model, shared by the modules that need one."""
+    from server_utils import ServerProcess
+
+    require_default_model()
+    srv = ServerProcess("--max-total-tokens", "4096")
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
 @pytest.fixture(scope="module", params=["plain", "overlap"])
 def schedule(request) -> str:
     """The server modules that exercise aborts, disconnects, timeouts, n > 1, logprobs and

@@ -1,4 +1,18 @@
-"""weft: a structured-generation LLM runtime with a Python program DSL."""
+"""weft: a structured-generation LLM runtime with a Python program DSL (SGLang's, so that
+`import weft as sgl` runs SGLang programs).
+
+Programs (docs/dsl.md):
+    @weft.function            a program: a Python function of a state `s`
+    s += text, gen(...), select(...), system/user/assistant(...), s.fork(n) / .join()
+    prog.run(..., backend=...), prog(...), prog.run_batch([...]), prog.trace(...)
+    gen_int, gen_string, *_begin / *_end role markers, ChoicesSamplingMethod and the three
+    choices methods, set_default_backend
+Backends:
+    Engine(model_path=None, **options)   the model in-process (None: the embedded default model)
+    RuntimeEndpoint(url)                 a running `weft serve` (or SGLang) server
+    OpenAIBackend(base_url, model)       any OpenAI-compatible server
+    SamplingParams                       SGLang's sampling parameters
+"""
 
 from __future__ import annotations
 
@@ -6,39 +20,96 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weft.frontend import (
+        Backend,
+        BackendError,
+        ChoicesDecision,
+        ChoicesSamplingMethod,
         OpenAIBackend,
+        ProgramError,
+        ProgramState,
         RuntimeEndpoint,
         assistant,
+        assistant_begin,
+        assistant_end,
         function,
         gen,
+        gen_int,
+        gen_string,
+        get_default_backend,
+        greedy_token_selection,
         select,
+        set_default_backend,
         system,
+        system_begin,
+        system_end,
+        token_length_normalized,
+        unconditional_likelihood_normalized,
         user,
+        user_begin,
+        user_end,
     )
     from weft.runtime.engine import Engine
     from weft.runtime.sampling_params import SamplingParams
 
 _DSL = (
+    "Backend",
+    "BackendError",
+    "ChoicesDecision",
+    "ChoicesSamplingMethod",
+    "OpenAIBackend",
+    "ProgramError",
+    "ProgramState",
+    "RuntimeEndpoint",
+    "assistant",
+    "assistant_begin",
+    "assistant_end",
     "function",
     "gen",
+    "gen_int",
+    "gen_string",
+    "get_default_backend",
+    "greedy_token_selection",
     "select",
+    "set_default_backend",
     "system",
+    "system_begin",
+    "system_end",
+    "token_length_normalized",
+    "unconditional_likelihood_normalized",
     "user",
-    "assistant",
-    "RuntimeEndpoint",
-    "OpenAIBackend",
+    "user_begin",
+    "user_end",
 )
 __all__ = [
+    "Backend",
+    "BackendError",
+    "ChoicesDecision",
+    "ChoicesSamplingMethod",
     "Engine",
     "OpenAIBackend",
+    "ProgramError",
+    "ProgramState",
     "RuntimeEndpoint",
     "SamplingParams",
     "assistant",
+    "assistant_begin",
+    "assistant_end",
     "function",
     "gen",
+    "gen_int",
+    "gen_string",
+    "get_default_backend",
+    "greedy_token_selection",
     "select",
+    "set_default_backend",
     "system",
+    "system_begin",
+    "system_end",
+    "token_length_normalized",
+    "unconditional_likelihood_normalized",
     "user",
+    "user_begin",
+    "user_end",
 ]
 __version__ = "0.1.0"
 
@@ -59,3 +130,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(weft.frontend, name)
     raise AttributeError(f"module 'weft' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -40,7 +40,9 @@ class FakeBackend(Backend):
         await asyncio.sleep(self.delay)
         self.in_flight -= 1
 
-    async def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
+    async def generate(
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
+    ) -> GenResult:
         self.calls.append(("generate", prompt, dict(params)))
         await self._enter()
         if self.fail_on is not None and self.fail_on in prompt:
@@ -51,7 +53,7 @@ class FakeBackend(Backend):
         return GenResult(text, {"completion_tokens": len(text)})
 
     async def generate_stream(
-        self, prompt: str, params: dict[str, Any]
+        self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
     ) -> AsyncIterator[GenResult]:
         self.calls.append(("stream", prompt, dict(params)))
         text = self.reply(prompt)
@@ -71,7 +73,7 @@ class FakeBackend(Backend):
         if not self.template:
             return None
 
-        def render(messages: list[dict[str, str]]) -> str:
+        async def render(messages: list[dict[str, str]]) -> str:
             return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
 
         return render

@@ -24,7 +24,7 @@ def test_ir_nodes_print_as_the_program():
     ]
     assert repr(weft.gen("a", max_tokens=4)) == "Gen('a', max_new_tokens=4)"
     assert repr(weft.select("c", ["x", "y"])) == (
-        "Select('c', ['x', 'y'], method='token_length_normalized')"
+        "Select('c', ['x', 'y'], method=token_length_normalized)"
     )
     assert repr(weft.user("hi")) == "RoleBegin('user') + Text('hi') + RoleEnd('user')"
     assert weft.gen("c", choices=["a", "b"]) == Select("c", ["a", "b"])

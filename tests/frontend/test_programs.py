@@ -9,7 +9,7 @@ import pytest
 
 import weft
 
-from conftest import fixture_path, make_engine, require_default_model
+from conftest import fixture_path, make_engine
 from server_utils import ServerProcess
 
 
@@ -117,15 +117,6 @@ def stories_server_endpoint(srv):
 def openai_backend(srv):
     model = srv.get("/v1/models").json()["data"][0]["id"]
     return weft.OpenAIBackend(srv.url + "/v1", model=model)
-
-
-@pytest.fixture(scope="module")
-def qwen_server():
-    require_default_model()
-    srv = ServerProcess("--max-total-tokens", "4096")
-    yield srv
-    srv.assert_kv_intact()
-    assert srv.stop() == 0
 
 
 @pytest.mark.slow
