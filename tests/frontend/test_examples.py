@@ -64,3 +64,48 @@ def test_an_example_runs_standalone():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "finish_reason:" in done.stdout
+
+
+def test_extraction_into_a_pydantic_model(example, qwen):
+    module = example("dsl_extraction")
+    people = module.main(qwen)
+    assert [type(p) for p in people] == [module.Person, module.Person]
+    alice, bob = (p.model_dump(mode="json") for p in people)
+    assert alice == {
+        "name": "Alice Martin",
+        "age": 34,
+        "role": "engineer",
+        "address": {"city": "Lyon", "country": "France"},
+        "skills": ["Rust", "Go"],
+        "email": "alice@example.com",
+    }
+    assert bob == {
+        "name": "Bob Okafor",
+        "age": 51,
+        "role": "manager",
+        "address": {"city": "Lagos", "country": "Nigeria"},
+        "skills": ["budgeting", "hiring"],
+        "email": None,
+    }
+
+
+def test_react_agent_calls_its_tools(example, qwen):
+    calc, weather = example("dsl_agent").main(qwen)
+    # each question: one tool call with the right input, its observation, then the answer
+    assert calc["observations"] == ["395"] and calc["action"] == "finish"
+    assert "395" in calc["answer"]
+    assert weather["observations"] == ["18 C, clear"] and weather["action"] == "finish"
+    assert "Input: Tokyo\nObservation: 18 C, clear" in weather.text()
+
+
+def test_openai_tools_agent(example, qwen_server):
+    (calc_calls, calc_answer), (weather_calls, weather_answer) = example("openai_tools_agent").main(
+        qwen_server.url
+    )
+    assert calc_calls == [
+        {"name": "calculator", "arguments": {"expression": "17 * 23 + 4"}, "result": "395"}
+    ]
+    assert weather_calls == [
+        {"name": "weather", "arguments": {"city": "Tokyo"}, "result": "18 C, clear"}
+    ]
+    assert "395" in calc_answer and "18" in weather_answer
