@@ -29,8 +29,10 @@ from weft.frontend.openai_backend import OpenAIBackend
 from weft.frontend.program import (
     Plan,
     Program,
+    flush_cache,
     function,
     get_default_backend,
+    get_server_info,
     set_default_backend,
 )
 from weft.frontend.runtime_endpoint import RuntimeEndpoint
@@ -51,11 +53,13 @@ __all__ = [
     "assistant",
     "assistant_begin",
     "assistant_end",
+    "flush_cache",
     "function",
     "gen",
     "gen_int",
     "gen_string",
     "get_default_backend",
+    "get_server_info",
     "greedy_token_selection",
     "select",
     "set_default_backend",

@@ -55,6 +55,18 @@ class Backend(ABC):
     async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
         raise BackendError(f"{self.name} has no chat endpoint and no chat template")
 
+    async def chat_stream(
+        self, messages: list[Message], params: dict[str, Any]
+    ) -> AsyncIterator[GenResult]:
+        """Cumulative results of one chat reply; by default the whole reply at once."""
+        yield await self.chat(messages, params)
+
+    def flush_cache(self) -> bool:
+        raise BackendError(f"{self.name} cannot flush a cache")
+
+    def get_server_info(self) -> dict[str, Any]:
+        raise BackendError(f"{self.name} has no server info")
+
 
 def as_backend(obj: object) -> Backend:
     """A Backend, or an in-process weft.Engine wrapped as one (duck-typed: no torch import)."""

@@ -24,6 +24,19 @@ def chat_body(model: str, messages: list[Message], params: dict[str, Any]) -> di
     return {"model": model, "messages": messages, **openai_params(params)}
 
 
+async def chat_stream(
+    url: str, body: dict[str, Any], api_key: str | None
+) -> AsyncIterator[GenResult]:
+    """Cumulative results of a streamed chat completion (POST `url`, stream=True)."""
+    text = ""
+    async for event in post_sse(url, {**body, "stream": True}, api_key):
+        if not event.get("choices"):
+            continue
+        choice = event["choices"][0]
+        text += (choice.get("delta") or {}).get("content") or ""
+        yield GenResult(text, {"finish_reason": choice.get("finish_reason")})
+
+
 def chat_result(out: dict[str, Any]) -> GenResult:
     choice = out["choices"][0]
     meta = {"finish_reason": choice.get("finish_reason"), "usage": out.get("usage")}
@@ -81,3 +94,10 @@ class OpenAIBackend(Backend):
     async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
         body = chat_body(self.model, messages, params)
         return chat_result(await post_json(self.base_url + "/chat/completions", body, self.api_key))
+
+    async def chat_stream(
+        self, messages: list[Message], params: dict[str, Any]
+    ) -> AsyncIterator[GenResult]:
+        body = chat_body(self.model, messages, params)
+        async for result in chat_stream(self.base_url + "/chat/completions", body, self.api_key):
+            yield result

@@ -29,6 +29,17 @@ def get_default_backend() -> Backend | None:
     return _default_backend
 
 
+def flush_cache(backend: Any = None) -> bool:
+    """Empty the backend's prefix cache (default: the default backend); False while requests
+    are running."""
+    return _backend(backend).flush_cache()
+
+
+def get_server_info(backend: Any = None) -> dict[str, Any]:
+    """The backend's configuration and state (default: the default backend)."""
+    return _backend(backend).get_server_info()
+
+
 def _backend(backend: Any) -> Backend:
     if backend is not None:
         return as_backend(backend)

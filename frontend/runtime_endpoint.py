@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, TokenLogprobs
-from weft.frontend.http_client import get_json, get_json_sync, post_json, post_sse, post_sync
-from weft.frontend.openai_backend import chat_body, chat_result
+from weft.frontend.http_client import get_json_sync, post_json, post_sse, post_sync
+from weft.frontend.openai_backend import chat_body, chat_result, chat_stream
 
 
 class RuntimeEndpoint(Backend):
@@ -24,7 +24,6 @@ class RuntimeEndpoint(Backend):
     def __init__(self, url: str, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key
-        self._model: str | None = None
         self._info: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
@@ -80,9 +79,17 @@ class RuntimeEndpoint(Backend):
         return render
 
     async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
-        if self._model is None:
-            info = await get_json(self.url + "/get_model_info", self.api_key)
-            self._model = str(info.get("served_model_name") or info["model_path"])
-        body = chat_body(self._model, messages, params)
+        body = chat_body(self._served_model(), messages, params)
         out = await post_json(self.url + "/v1/chat/completions", body, self.api_key)
         return chat_result(out)
+
+    async def chat_stream(
+        self, messages: list[Message], params: dict[str, Any]
+    ) -> AsyncIterator[GenResult]:
+        body = chat_body(self._served_model(), messages, params)
+        async for result in chat_stream(self.url + "/v1/chat/completions", body, self.api_key):
+            yield result
+
+    def _served_model(self) -> str:
+        info = self.get_model_info()
+        return str(info.get("served_model_name") or info["model_path"])

@@ -406,8 +406,18 @@ class ProgramState:
         ctx = self._ctx
         params = {**ctx.defaults, **node.params}
         try:
-            if self._chat_mode():
-                result = await self._chat(label, params)
+            if self._chat_mode() and ctx.stream:
+                msgs = self._chat_messages(label)
+                result, seen = GenResult(""), ""
+                pieces = ctx.backend.chat_stream(msgs, params)
+                await ctx.request("stream", label, msgs, params, _none())
+                async for result in pieces:  # cumulative text
+                    self._emit(result.text[len(seen) :], node.name)
+                    seen = result.text
+            elif self._chat_mode():
+                msgs = self._chat_messages(label)
+                aw = ctx.backend.chat(msgs, params)
+                result = await ctx.request("chat", label, msgs, params, aw)
                 self._emit(result.text, node.name)
             elif ctx.stream:
                 result, seen = GenResult(""), ""
@@ -428,7 +438,9 @@ class ProgramState:
             self._vars[node.name] = _value(label, node, result)
             self._meta[node.name] = result.meta
 
-    async def _chat(self, label: str, params: dict[str, Any]) -> GenResult:
+    def _chat_messages(self, label: str) -> list[Message]:
+        """The conversation a chat-endpoint gen continues; ProgramError where the gen does not
+        start an assistant turn (no template to render anything else)."""
         name = self._ctx.backend.name
         role = self._role
         if role is None or role.role != "assistant" or role.content or self._outside_roles:
@@ -438,10 +450,7 @@ class ProgramState:
                 "(weft.Engine, or weft.RuntimeEndpoint on a weft server, render the model's "
                 "template and run anything else)"
             )
-        msgs = [dict(m) for m in self._messages]
-        aw = self._ctx.backend.chat(msgs, params)
-        result: GenResult = await self._ctx.request("chat", label, msgs, params, aw)
-        return result
+        return [dict(m) for m in self._messages]
 
     async def _run_Select(self, node: Select) -> None:
         label = f"select({node.name!r})"

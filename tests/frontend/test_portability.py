@@ -262,3 +262,30 @@ def test_sglang_programs_run_unchanged(server):
         [{"name": "Alice"}, {"name": "Bob"}], num_threads=2, temperature=0
     )
     assert all(isinstance(s["age"], int) for s in states)
+
+
+def test_openai_backend_streams_chat_replies_token_by_token(server):
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    be = weft.OpenAIBackend(server.url + "/v1", model=model)
+
+    @weft.function
+    def ask(s):
+        s += weft.user("Tell me a story.")
+        s += weft.assistant(weft.gen("story", max_tokens=12))
+
+    state = ask.run(backend=be, stream=True, **GREEDY)
+    pieces = list(state.text_iter("story"))
+    assert len(pieces) > 1 and "".join(pieces) == state["story"]
+    assert state["story"] == ask.run(backend=be, **GREEDY)["story"]
+
+
+def test_cache_and_server_info_helpers(server, engine):
+    endpoint = weft.RuntimeEndpoint(server.url)
+    assert weft.flush_cache(endpoint) is True
+    assert weft.get_server_info(endpoint)["served_model_name"]
+    weft.set_default_backend(engine)
+    assert weft.flush_cache() is True
+    assert weft.get_server_info()["memory"]
+    weft.set_default_backend(None)
+    with pytest.raises(ValueError, match="no backend: pass backend="):
+        weft.flush_cache()
