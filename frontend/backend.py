@@ -52,6 +52,11 @@ class Backend(ABC):
     def chat_renderer(self) -> ChatRenderer | None:
         return None
 
+    async def chat_renderer_async(self) -> ChatRenderer | None:
+        """`chat_renderer`, for backends that must ask a server first (asked on the loop, once
+        a program opens its first role)."""
+        return self.chat_renderer()
+
     async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
         raise BackendError(f"{self.name} has no chat endpoint and no chat template")
 

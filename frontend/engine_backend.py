@@ -47,10 +47,17 @@ class EngineBackend(Backend):
         if not with_text or self.engine.tokenizer is None:
             return meta
         decode = self.engine.tokenizer.decode
+
+        def entry(e: Any) -> tuple[Any, int, str]:
+            return (e[0], e[1], decode([e[1]]))
+
         out = dict(meta)
         for key in ("input_token_logprobs", "output_token_logprobs"):
             if meta.get(key):
-                out[key] = [(e[0], e[1], decode([e[1]])) for e in meta[key]]
+                out[key] = [entry(e) for e in meta[key]]
+        for key in ("input_top_logprobs", "output_top_logprobs"):
+            if meta.get(key):
+                out[key] = [None if top is None else [entry(e) for e in top] for top in meta[key]]
         return out
 
     async def prompt_logprobs(self, prompt: str, start: int) -> TokenLogprobs:

@@ -16,6 +16,8 @@ from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, as_
 from weft.frontend.state import PlannedRequest, ProgramState, RunContext
 
 WARM_MIN_CHARS = 32  # a shared batch prefix shorter than this is not sent ahead
+# programs traced to find a batch's shared prefix (a trace may render roles on the server)
+WARM_SAMPLE = 16
 _default_backend: Backend | None = None
 
 
@@ -73,14 +75,27 @@ class Program:
         return f"<weft program {self.func.__name__}>"
 
     def _start(
-        self, ctx: RunContext, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        ctx: RunContext,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        keep_error: bool = False,
     ) -> ProgramState:
+        """Run the program's body, which queues its steps. A body that raises has what it queued
+        cancelled; the error propagates, or with `keep_error` (a batch member) stays on the
+        state, whose reading raises it, and the batch goes on."""
         state = ProgramState(ctx)
         try:
             self.func(state, *args, **kwargs)
-        except BaseException:
+        except Exception as exc:
             ctx.close()
-            ctx.cancel_all()
+            ctx.cancel_all(exc)
+            if not keep_error:
+                raise
+            state.fail(exc)
+        except BaseException as exc:
+            ctx.close()
+            ctx.cancel_all(exc)
             raise
         ctx.close()
         return state
@@ -146,9 +161,9 @@ class Program:
         contexts = []
         states = []
         for kwargs in batch_kwargs:
-            ctx = RunContext(be, loop, defaults, semaphore=sem)
+            ctx = RunContext(be, loop, defaults, semaphore=sem, own_loop=False)
             contexts.append(ctx)
-            states.append(self._start(ctx, (), kwargs))
+            states.append(self._start(ctx, (), kwargs, keep_error=True))
 
         async def finish() -> None:
             with tqdm(total=len(contexts), disable=not progress_bar, desc=self.__name__) as bar:
@@ -162,12 +177,13 @@ class Program:
     def _shared_prefix(
         self, be: Backend, batch_kwargs: list[dict[str, Any]], sampling: dict[str, Any]
     ) -> str:
-        """The text prompt that the first requests of all programs start with, if long enough
-        to be worth sending first ('' otherwise)."""
+        """The text prompt that the first requests of the first WARM_SAMPLE programs start
+        with, if long enough to be worth sending first ('' otherwise): a program beyond the
+        sample that does not share it only had one prefill sent early."""
         if len(batch_kwargs) < 2:
             return ""
         prompts = []
-        for kwargs in batch_kwargs:
+        for kwargs in batch_kwargs[:WARM_SAMPLE]:
             try:
                 plan = self.trace(backend=be, **{**sampling, **kwargs})
             except Exception:  # the real run reports it, on that program's state
@@ -183,8 +199,8 @@ class Program:
         selects pick the first choice. Pass `backend` to render roles with its chat template
         (without one, roles render as `<|role|>` lines)."""
         fn_kwargs, sampling = self._split(kwargs)
-        renderer = as_backend(backend).chat_renderer() if backend is not None else _placeholder
-        ctx = RunContext(_TraceBackend(renderer), asyncio.new_event_loop(), _defaults(sampling))
+        source = as_backend(backend) if backend is not None else None
+        ctx = RunContext(_TraceBackend(source), asyncio.new_event_loop(), _defaults(sampling))
         ctx.tracing = True
         self._start(ctx, args, fn_kwargs)
         ctx.block(ctx.wait_all())
@@ -227,8 +243,8 @@ async def _placeholder(messages: list[Message]) -> str:
 class _TraceBackend(Backend):
     name = "trace"
 
-    def __init__(self, renderer: ChatRenderer | None) -> None:
-        self._renderer = renderer
+    def __init__(self, source: Backend | None) -> None:
+        self._source = source  # whose chat template renders roles (None: a placeholder)
 
     async def generate(
         self, prompt: str, params: dict[str, Any], options: dict[str, Any] | None = None
@@ -245,8 +261,10 @@ class _TraceBackend(Backend):
     async def prompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
         return [(0.0, i) for i in range(start, len(prompt))]
 
-    def chat_renderer(self) -> ChatRenderer | None:
-        return self._renderer
+    async def chat_renderer_async(self) -> ChatRenderer | None:
+        if self._source is None:
+            return _placeholder
+        return await self._source.chat_renderer_async()
 
     async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
         return GenResult("<gen>")

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, TokenLogprobs
-from weft.frontend.http_client import get_json_sync, post_json, post_sse, post_sync
+from weft.frontend.http_client import get_json, get_json_sync, post_json, post_sse, post_sync
 from weft.frontend.openai_backend import chat_body, chat_result, chat_stream
 
 
@@ -59,6 +59,11 @@ class RuntimeEndpoint(Backend):
             self._info = dict(get_json_sync(self.url + "/get_model_info", self.api_key))
         return self._info
 
+    async def _model_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = dict(await get_json(self.url + "/get_model_info", self.api_key))
+        return self._info
+
     def get_server_info(self) -> dict[str, Any]:
         """The server's /get_server_info (its configuration and state)."""
         return dict(get_json_sync(self.url + "/get_server_info", self.api_key))
@@ -68,7 +73,14 @@ class RuntimeEndpoint(Backend):
         return post_sync(self.url + "/flush_cache", self.api_key)
 
     def chat_renderer(self) -> ChatRenderer | None:
-        if not self.get_model_info().get("has_chat_template"):
+        return self._renderer(self.get_model_info())
+
+    async def chat_renderer_async(self) -> ChatRenderer | None:
+        return self._renderer(await self._model_info())
+
+    def _renderer(self, info: dict[str, Any]) -> ChatRenderer | None:
+        """POST /render_chat where the server says it renders (a weft server with a template)."""
+        if not info.get("has_chat_template"):
             return None
 
         async def render(messages: list[Message]) -> str:
@@ -79,17 +91,17 @@ class RuntimeEndpoint(Backend):
         return render
 
     async def chat(self, messages: list[Message], params: dict[str, Any]) -> GenResult:
-        body = chat_body(self._served_model(), messages, params)
+        body = chat_body(await self._served_model(), messages, params)
         out = await post_json(self.url + "/v1/chat/completions", body, self.api_key)
         return chat_result(out)
 
     async def chat_stream(
         self, messages: list[Message], params: dict[str, Any]
     ) -> AsyncIterator[GenResult]:
-        body = chat_body(self._served_model(), messages, params)
+        body = chat_body(await self._served_model(), messages, params)
         async for result in chat_stream(self.url + "/v1/chat/completions", body, self.api_key):
             yield result
 
-    def _served_model(self) -> str:
-        info = self.get_model_info()
+    async def _served_model(self) -> str:
+        info = await self._model_info()
         return str(info.get("served_model_name") or info["model_path"])

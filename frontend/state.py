@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from weft.frontend.backend import Backend, GenResult, Message, TokenLogprobs
+from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, TokenLogprobs
 from weft.frontend.choices import ChoicesDecision
 from weft.frontend.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, flatten
 
@@ -49,13 +49,16 @@ class RunContext:
         defaults: dict[str, Any],
         stream: bool = False,
         semaphore: asyncio.Semaphore | None = None,
+        own_loop: bool = True,
     ) -> None:
         self.backend = backend
         self.loop = loop
+        self.own_loop = own_loop  # False: a batch's programs share the loop
         self.defaults = defaults
         self.stream = stream
         self.semaphore = semaphore
-        self.renderer = backend.chat_renderer()
+        self.renderer: ChatRenderer | None = None  # resolved by the first role (get_renderer)
+        self._renderer_resolved = False
         self.plan: list[PlannedRequest] = []
         self.states: list[ProgramState] = []
         self.closed = False  # the program's Python body has returned
@@ -72,18 +75,30 @@ class RunContext:
             )
         return self.loop.run_until_complete(aw)
 
+    async def get_renderer(self) -> ChatRenderer | None:
+        if not self._renderer_resolved:
+            self.renderer = await self.backend.chat_renderer_async()
+            self._renderer_resolved = True
+        return self.renderer
+
     def close(self) -> None:
         self.closed = True
         for s in self.states:
             s._wake.set()
 
-    def cancel_all(self) -> None:
-        """Cancel what the states queued (the program's body raised), and let the tasks end
-        on the loop when nothing else runs it (a run's own loop)."""
-        tasks = [s._task for s in self.states if s._task is not None and not s._task.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks and not self.loop.is_running():
+    def cancel_all(self, error: BaseException) -> None:
+        """Cancel what the states queued (the program's body raised `error`, which each state
+        keeps). The tasks end when the loop next runs: at once on a run's own loop, with the
+        rest of a batch on a shared one.
+        NOTE: running a batch's shared loop here would start the other programs' requests
+        before the batch does."""
+        tasks = []
+        for s in self.states:
+            if s._task is not None and not s._task.done():
+                s._error = s._error or error
+                s._task.cancel()
+                tasks.append(s._task)
+        if tasks and self.own_loop and not self.loop.is_running():
             self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
     async def wait_all(self) -> None:
@@ -276,9 +291,19 @@ class ProgramState:
     async def wait(self) -> None:
         """Until every queued node has run; raises the error that stopped the state."""
         while self._task is not None and not self._task.done():
-            await asyncio.shield(self._task)
+            try:
+                await asyncio.shield(self._task)
+            except asyncio.CancelledError:
+                if not self._task.cancelled():
+                    raise  # the waiter itself was cancelled
+                break  # the queue was cancelled (its program's body raised): _error says why
         if self._error is not None:
             raise self._error
+
+    def fail(self, error: BaseException) -> None:
+        """Keep `error` as what stopped this state (its program's body raised it)."""
+        self._error = error
+        self._wake.set()
 
     def _sync(self) -> None:
         if self._task is not None and not self._task.done():
@@ -342,7 +367,7 @@ class ProgramState:
                 await getattr(self, "_run_" + type(node).__name__.lstrip("_"))(node)
                 self._pending.popleft()
         except BaseException as exc:  # kept on the state; readers raise it
-            self._error = exc
+            self._error = self._error or exc  # a failed body's error (fail) comes first
             for node in self._pending:
                 if isinstance(node, _ForkPoint):
                     for c in node.children:
@@ -368,6 +393,7 @@ class ProgramState:
 
     async def _run_SetVar(self, node: _SetVar) -> None:
         self._vars[node.name] = node.value
+        self._meta.pop(node.name, None)  # a gen's meta info no longer describes the value
 
     async def _run_Text(self, node: Text) -> None:
         self._emit(node.value)
@@ -376,7 +402,7 @@ class ProgramState:
         if self._role is not None:
             raise ProgramError(f"{node.role}(): the {self._role.role} role is still open")
         prefix = suffix = ""
-        render = self._ctx.renderer
+        render = await self._ctx.get_renderer()
         if render is not None:
             before = await render(self._messages) if self._messages else ""
             probe = await render([*self._messages, {"role": node.role, "content": _SENTINEL}])
@@ -399,6 +425,7 @@ class ProgramState:
         self._emit(role.suffix, content=False)
 
     def _chat_mode(self) -> bool:
+        # NOTE: a role or a message means a role began, which resolved the renderer
         return self._ctx.renderer is None and (bool(self._messages) or self._role is not None)
 
     async def _run_Gen(self, node: Gen) -> None:
@@ -435,7 +462,8 @@ class ProgramState:
         except Exception as exc:
             raise ProgramError(f"{label} failed: {exc}") from exc
         if node.name is not None:
-            self._vars[node.name] = _value(label, node, result)
+            traced = self._ctx.tracing  # the placeholder reply reads as no value
+            self._vars[node.name] = result.text if traced else _value(label, node, result)
             self._meta[node.name] = result.meta
 
     def _chat_messages(self, label: str) -> list[Message]:

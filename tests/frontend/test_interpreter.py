@@ -383,3 +383,57 @@ def test_run_batch_warms_a_shared_prefix_first():
         f"{system}Q: {q}\nA: " for q in ("one", "two", "three")
     )
     assert len(be.calls) == 4
+
+
+def test_run_batch_num_threads_caps_requests_in_flight():
+    be = FakeBackend(replies={"A: ": "ok"}, delay=0.02)
+    states = qa.run_batch([{"question": str(i)} for i in range(6)], backend=be, num_threads=3)
+    assert [s["answer"] for s in states] == ["ok"] * 6
+    assert be.max_in_flight == 3
+    with pytest.raises(ValueError, match="num_threads must be 'auto' or an int >= 1"):
+        qa.run_batch([{"question": "x"}], backend=be, num_threads=0)
+
+
+def test_a_body_that_raises_fails_only_its_own_batch_member():
+    be = FakeBackend(replies={"A: ": "ok"}, delay=0.01)
+
+    @weft.function
+    def prog(s, i):
+        s += f"Q: {i}\nA: " + weft.gen("answer", max_tokens=2)
+        if i == 1:
+            raise KeyError("bad input")
+
+    states = prog.run_batch([{"i": i} for i in range(3)], backend=be)
+    assert states[0]["answer"] == states[2]["answer"] == "ok"
+    with pytest.raises(KeyError, match="bad input"):
+        states[1].text()
+    assert [c[1] for c in be.calls] == ["Q: 0\nA: ", "Q: 2\nA: "]  # 1's queue was cancelled
+
+
+def test_item_assignment_runs_in_program_order():
+    be = FakeBackend(replies={"A: ": "model"})
+
+    @weft.function
+    def prog(s):
+        s += "A: " + weft.gen("x", max_tokens=5)
+        s["x"] = "mine"  # after the gen: the gen must not overwrite it
+        s["y"] = "set"
+
+    state = prog.run(backend=be)
+    assert state["x"] == "mine" and state["y"] == "set"
+    with pytest.raises(KeyError):
+        state.get_meta_info("x")  # the gen's meta no longer describes the value
+
+
+def test_trace_reads_no_value_from_placeholders():
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+
+    @weft.function
+    def prog(s):
+        s += "P: " + weft.gen("p", json_schema=Point) + weft.gen("n", dtype=int)
+
+    plan = prog.trace()
+    assert [r.label for r in plan] == ["gen('p')", "gen('n')"]

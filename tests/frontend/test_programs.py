@@ -120,9 +120,10 @@ def openai_backend(srv):
 
 
 @pytest.mark.slow
-def test_qwen_server_roles_go_through_its_chat_endpoint(qwen_server, qwen):
+def test_qwen_server_renders_roles_as_the_engine_does(qwen_server, qwen):
     remote = programs.chat.run(
         question="Say hello.", backend=weft.RuntimeEndpoint(qwen_server.url), temperature=0
     )
     local = programs.chat.run(question="Say hello.", backend=qwen, temperature=0)
     assert remote.messages() == local.messages()
+    assert remote.text() == local.text()

@@ -66,10 +66,18 @@ def test_an_optional_key_before_a_required_one_may_also_come_last():
     assert all(v["required"] == PERSON["required"] for v in variants)
     assert all(v["additionalProperties"] is False for v in variants)
     assert [v[ORDER_KEYWORD] for v in variants] == [keys(v) for v in variants]
-    # the nested object is rewritten inside every variant
-    home = variants[0]["properties"]["home"]["anyOf"]
+    # the nested object is rewritten once, in $defs, and every variant refers to it
+    assert all(v["properties"]["home"] == {"$ref": "#/$defs/weft-order-0"} for v in variants)
+    home = out["$defs"]["weft-order-0"]["anyOf"]
     assert [keys(v) for v in home] == [["city", "zip", "country"], ["city", "country", "zip"]]
     assert PERSON["properties"]["home"] is HOME and "anyOf" not in HOME  # the input is untouched
+
+
+def obj(n_optional: int, child: Any = None) -> dict[str, Any]:
+    """An object with n optional keys before a required one (which holds `child`)."""
+    names = [f"o{i}" for i in range(n_optional)]
+    properties = {**{k: {} for k in names}, "r": child if child is not None else {}}
+    return {"type": "object", "properties": properties, "required": ["r"]}
 
 
 @pytest.mark.parametrize(
@@ -82,22 +90,32 @@ def test_an_optional_key_before_a_required_one_may_also_come_last():
         {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["b"], "anyOf": [{}]},
         {"type": "string"},
         True,
+        # a $ref reaches into the object's properties: its layout stays
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {}, "c": {"$ref": "#/properties/a"}},
+            "required": ["b"],
+        },
+        # more variants than MAX_VARIANTS in all
+        obj(2, obj(2, obj(2, obj(2, obj(2, obj(2, obj(2, obj(2, obj(2))))))))),
     ],
 )
 def test_a_schema_without_a_movable_key_is_left_alone(schema):
     assert optional_keys_last(schema) is schema
 
 
-def test_every_subset_of_up_to_three_movable_keys_then_all_at_once():
-    def obj(n_optional: int) -> dict[str, Any]:
-        names = [f"o{i}" for i in range(n_optional)] + ["r"]
-        return {"type": "object", "properties": {k: {} for k in names}, "required": ["r"]}
-
+def test_every_subset_of_up_to_two_movable_keys_then_all_at_once():
+    two = [keys(v) for v in optional_keys_last(obj(2))["anyOf"]]
+    assert two == [["o0", "o1", "r"], ["o1", "r", "o0"], ["o0", "r", "o1"], ["r", "o0", "o1"]]
     three = [keys(v) for v in optional_keys_last(obj(3))["anyOf"]]
-    assert len(three) == 8 and len({tuple(k) for k in three}) == 8
-    assert ["o1", "r", "o0", "o2"] in three  # o0 and o2 moved, o1 at its place
-    four = [keys(v) for v in optional_keys_last(obj(4))["anyOf"]]
-    assert four == [["o0", "o1", "o2", "o3", "r"], ["r", "o0", "o1", "o2", "o3"]]
+    assert three == [["o0", "o1", "o2", "r"], ["r", "o0", "o1", "o2"]]
+
+
+def test_nested_objects_grow_the_text_linearly():
+    deep = obj(2, obj(2, obj(2, obj(2, obj(2, obj(2))))))  # 6 levels, 24 variants
+    out = optional_keys_last(deep)
+    assert len(out["$defs"]) == 5 and len(out["anyOf"]) == 4
+    assert len(json.dumps(out)) < 12 * len(json.dumps(deep))
 
 
 def test_defs_stay_where_refs_find_them():
@@ -108,7 +126,9 @@ def test_defs_stay_where_refs_find_them():
         "required": ["home"],
     }
     out = optional_keys_last(schema)
-    assert [keys(v) for v in out["$defs"]["home"]["anyOf"]][1] == ["city", "country", "zip"]
+    assert out["$defs"]["home"] == {"$ref": "#/$defs/weft-order-0"}
+    variants = out["$defs"]["weft-order-0"]["anyOf"]
+    assert [keys(v) for v in variants][1] == ["city", "country", "zip"]
     assert [keys(v) for v in out["anyOf"]] == [["x", "home"], ["home", "x"]]
 
 
@@ -234,3 +254,26 @@ def _strings(x: Any) -> list[str]:
     if isinstance(x, list):
         return [s for v in x for s in _strings(v)]
     return [x] if isinstance(x, str) else []
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_ref_into_properties_still_compiles(tokenizer, backend):
+    from weft.grammars.vocab import TokenVocab
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "string"},
+            "c": {"$ref": "#/properties/a"},
+        },
+        "required": ["b"],
+    }
+    vocab = TokenVocab.from_tokenizer(tokenizer, VOCAB_SIZE, END_IDS)
+    manager = GrammarManager(lambda: vocab, order=[backend])
+    try:
+        grammar = manager.compile(parse_spec("json_schema", json.dumps(schema)))
+        assert grammar.backend.name == backend
+        assert accepts(manager, grammar, tokenizer, '{"a": 1, "b": "x", "c": 2}')
+    finally:
+        manager.shutdown()
