@@ -72,7 +72,7 @@ def optional_keys_last(schema: Any) -> Any:
         variants_made += len(orders)
         members = {k: v for k, v in node.items() if k in _OBJECT_KEYWORDS}
         outside = {k: v for k, v in node.items() if k not in _OBJECT_KEYWORDS}
-        properties = node["properties"]
+        properties = {k: _shared(v) for k, v in node["properties"].items()}
         variants = [
             {**members, "properties": {k: properties[k] for k in order}, ORDER_KEYWORD: order}
             for order in orders
@@ -81,6 +81,15 @@ def optional_keys_last(schema: Any) -> Any:
             return {**outside, "anyOf": variants}
         name = f"{DEFS_PREFIX}{len(hoisted)}"
         hoisted[name] = {**outside, "anyOf": variants}
+        return {"$ref": f"#/$defs/{name}"}
+
+    def _shared(value: Any) -> Any:
+        """A property's schema, once in $defs for every variant to refer to (xgrammar compiles
+        each copy again: 4 variants compiled 3.8x slower inline)."""
+        if not isinstance(value, dict) or set(value) <= {"type"} or "$ref" in value:
+            return value
+        name = f"{DEFS_PREFIX}{len(hoisted)}"
+        hoisted[name] = value
         return {"$ref": f"#/$defs/{name}"}
 
     rewritten = map_subschemas(schema, rewrite)
