@@ -28,49 +28,49 @@ def _error(resp: httpx.Response, body: bytes) -> BackendError:
 
 
 async def post_json(url: str, body: dict[str, Any], api_key: str | None) -> Any:
+    return _json_of(await _request("POST", url, api_key, body))
+
+
+async def get_json(url: str, api_key: str | None) -> Any:
+    return _json_of(await _request("GET", url, api_key))
+
+
+async def _request(
+    method: str, url: str, api_key: str | None, body: dict[str, Any] | None = None
+) -> httpx.Response:
     # NOTE: one client per call: a client is bound to the event loop it first ran on, and
     # programs may run on different loops (sync run vs. run_async).
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         try:
-            resp = await client.post(url, json=body, headers=headers(api_key))
+            return await client.request(method, url, json=body, headers=headers(api_key))
         except httpx.HTTPError as exc:
             raise BackendError(f"cannot reach {url}: {exc}") from exc
-        if resp.status_code != 200:
-            raise _error(resp, resp.content)
-        return resp.json()
-
-
-async def get_json(url: str, api_key: str | None) -> Any:
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        try:
-            resp = await client.get(url, headers=headers(api_key))
-        except httpx.HTTPError as exc:
-            raise BackendError(f"cannot reach {url}: {exc}") from exc
-        if resp.status_code != 200:
-            raise _error(resp, resp.content)
-        return resp.json()
 
 
 def get_json_sync(url: str, api_key: str | None) -> Any:
     """GET from sync code (setting a backend up, outside any program's loop)."""
-    try:
-        resp = httpx.get(url, headers=headers(api_key), timeout=TIMEOUT)
-    except httpx.HTTPError as exc:
-        raise BackendError(f"cannot reach {url}: {exc}") from exc
-    if resp.status_code != 200:
-        raise _error(resp, resp.content)
-    return resp.json()
+    return _json_of(_request_sync("GET", url, api_key))
 
 
 def post_sync(url: str, api_key: str | None) -> bool:
     """An empty POST from sync code: True on 200, False on 400 (the server said not now)."""
-    try:
-        resp = httpx.post(url, headers=headers(api_key), timeout=TIMEOUT)
-    except httpx.HTTPError as exc:
-        raise BackendError(f"cannot reach {url}: {exc}") from exc
+    resp = _request_sync("POST", url, api_key)
     if resp.status_code not in (200, 400):
         raise _error(resp, resp.content)
     return resp.status_code == 200
+
+
+def _request_sync(method: str, url: str, api_key: str | None) -> httpx.Response:
+    try:
+        return httpx.request(method, url, headers=headers(api_key), timeout=TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise BackendError(f"cannot reach {url}: {exc}") from exc
+
+
+def _json_of(resp: httpx.Response) -> Any:
+    if resp.status_code != 200:
+        raise _error(resp, resp.content)
+    return resp.json()
 
 
 async def post_sse(url: str, body: dict[str, Any], api_key: str | None) -> AsyncIterator[Any]:
