@@ -52,6 +52,11 @@ def _no_options(options: dict[str, Any] | None) -> None:
 
 
 class OpenAIBackend(Backend):
+    """Any OpenAI-compatible server: `base_url` up to and including "/v1", the `model` to ask
+    for, `api_key` if needed. Plain text goes to /completions, role programs to
+    /chat/completions (each gen must start an assistant turn); select is refused (the API
+    returns no logprobs of the prompt's tokens), and so are gen's logprob options."""
+
     name = "OpenAIBackend"
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:

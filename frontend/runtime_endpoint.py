@@ -19,6 +19,10 @@ from weft.frontend.openai_backend import chat_body, chat_result, chat_stream
 
 
 class RuntimeEndpoint(Backend):
+    """A running `weft serve` (or SGLang server) at `url`, e.g. "http://127.0.0.1:30000";
+    `api_key` when the server wants one. Programs run on it as on weft.Engine (see the module
+    docstring); `get_model_info()`, `get_server_info()` and `flush_cache()` ask the server."""
+
     name = "RuntimeEndpoint"
 
     def __init__(self, url: str, api_key: str | None = None) -> None:
