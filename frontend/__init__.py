@@ -35,6 +35,7 @@ from weft.frontend.program import (
     get_server_info,
     set_default_backend,
 )
+from weft.frontend.runtime import Runtime
 from weft.frontend.runtime_endpoint import RuntimeEndpoint
 from weft.frontend.state import ForkGroup, ProgramError, ProgramState
 
@@ -49,6 +50,7 @@ __all__ = [
     "Program",
     "ProgramError",
     "ProgramState",
+    "Runtime",
     "RuntimeEndpoint",
     "assistant",
     "assistant_begin",

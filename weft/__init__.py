@@ -10,6 +10,7 @@ Programs (docs/dsl.md):
 Backends:
     Engine(model_path=None, **options)   the model in-process (None: the embedded default model)
     RuntimeEndpoint(url)                 a running `weft serve` (or SGLang) server
+    Runtime(model_path=None, **options)  a server started from Python (SGLang's sgl.Runtime)
     OpenAIBackend(base_url, model)       any OpenAI-compatible server
     SamplingParams                       SGLang's sampling parameters
 """
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
         OpenAIBackend,
         ProgramError,
         ProgramState,
+        Runtime,
         RuntimeEndpoint,
         assistant,
         assistant_begin,
@@ -61,6 +63,7 @@ _DSL = (
     "OpenAIBackend",
     "ProgramError",
     "ProgramState",
+    "Runtime",
     "RuntimeEndpoint",
     "assistant",
     "assistant_begin",
@@ -93,6 +96,7 @@ __all__ = [
     "OpenAIBackend",
     "ProgramError",
     "ProgramState",
+    "Runtime",
     "RuntimeEndpoint",
     "SamplingParams",
     "assistant",
