@@ -49,13 +49,10 @@ def encode_prompt(
     bos = tokenizer.bos_token_id
     bos_text = tokenizer.bos_token
     doubled = len(ids) > 1 and ids[0] == bos and ids[1] == bos
-    if (
-        add_special_tokens
-        and bos is not None
-        and doubled
-        and bos_text
-        and text.startswith(bos_text)
-    ):
+    if not (add_special_tokens and bos is not None and doubled and bos_text):
+        return ids
+    # only the BOS the tokenizer added goes: a "<s><s>" the text writes out stays two
+    if text.startswith(bos_text) and ids[1:] == tokenizer.encode(text, add_special_tokens=False):
         del ids[0]
     return ids
 

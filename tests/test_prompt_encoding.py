@@ -30,3 +30,12 @@ def test_bos_the_text_writes_twice_stays_and_plain_text_is_untouched(llama2):
     assert encode_prompt(llama2, "<s>Hi", add_special_tokens=False) == llama2.encode(
         "<s>Hi", add_special_tokens=False
     )
+
+
+def test_a_tokenizer_that_adds_no_bos_keeps_the_ones_the_text_writes():
+    from transformers import AutoTokenizer
+
+    phi3 = AutoTokenizer.from_pretrained(fixture_path("tokenizers", "phi3"))
+    text = "<s><s>Hello"
+    assert phi3.encode(text)[:2] == [1, 1]  # phi3 adds no BOS: both are the text's
+    assert encode_prompt(phi3, text) == phi3.encode(text)
