@@ -48,14 +48,13 @@ class _Builtin(ChoicesSamplingMethod):
     def __repr__(self) -> str:
         return self.name
 
-    def __call__(
+    def __call__(  # the same keywords; those unused in **_
         self,
         *,
         choices: list[str],
-        normalized_prompt_logprobs: list[float],
         input_token_logprobs: Entries,
-        output_token_logprobs: Entries,
         unconditional_token_logprobs: Entries | None = None,
+        **_: Any,
     ) -> ChoicesDecision:
         cond = [[e[0] for e in entries] for entries in input_token_logprobs]
         uncond = None

@@ -7,7 +7,7 @@ i scored alone (None where a token had no context).
 from __future__ import annotations
 
 
-def _mean(values: list[float]) -> float:
+def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
@@ -23,15 +23,15 @@ def choose(
       likes anywhere do not win just for being common.
     """
     if method == "token_length_normalized":
-        scores = [_mean(c) for c in cond]
+        scores = [mean(c) for c in cond]
     elif method == "greedy":
-        scores = [_mean(c) for c in cond]
+        scores = [mean(c) for c in cond]
         best = max(range(len(cond)), key=lambda i: (tuple(cond[i]), -i))
         return best, scores
     elif method == "unconditional_likelihood_normalized":
         assert uncond is not None and len(uncond) == len(cond)
         scores = [
-            _mean(c) - _mean([x for x in u if x is not None])
+            mean(c) - mean([x for x in u if x is not None])
             for c, u in zip(cond, uncond, strict=True)
         ]
     else:

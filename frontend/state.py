@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, TokenLogprobs
 from weft.frontend.choices import ChoicesDecision
 from weft.frontend.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, flatten
+from weft.frontend.scoring import mean
 
 T = TypeVar("T")
 _SENTINEL = "\x00weft-role-content\x00"
@@ -433,29 +434,28 @@ class ProgramState:
         ctx = self._ctx
         params = {**ctx.defaults, **node.params}
         try:
-            if self._chat_mode() and ctx.stream:
-                msgs = self._chat_messages(label)
+            # a backend without a chat template continues the conversation at its chat endpoint
+            messages = self._chat_messages(label) if self._chat_mode() else None
+            prompt = self._text if messages is None else messages
+            if ctx.stream:
+                pieces = (
+                    ctx.backend.generate_stream(self._text, params, *_options(node))
+                    if messages is None
+                    else ctx.backend.chat_stream(messages, params)
+                )
+                await ctx.request("stream", label, prompt, params, _none())
                 result, seen = GenResult(""), ""
-                pieces = ctx.backend.chat_stream(msgs, params)
-                await ctx.request("stream", label, msgs, params, _none())
-                async for result in pieces:  # cumulative text
-                    self._emit(result.text[len(seen) :], node.name)
-                    seen = result.text
-            elif self._chat_mode():
-                msgs = self._chat_messages(label)
-                aw = ctx.backend.chat(msgs, params)
-                result = await ctx.request("chat", label, msgs, params, aw)
-                self._emit(result.text, node.name)
-            elif ctx.stream:
-                result, seen = GenResult(""), ""
-                pieces = ctx.backend.generate_stream(self._text, params, *_options(node))
-                await ctx.request("stream", label, self._text, params, _none())
                 async for result in pieces:  # cumulative text
                     self._emit(result.text[len(seen) :], node.name)
                     seen = result.text
             else:
-                gen = ctx.backend.generate(self._text, params, *_options(node))
-                result = await ctx.request("generate", label, self._text, params, gen)
+                aw = (
+                    ctx.backend.generate(self._text, params, *_options(node))
+                    if messages is None
+                    else ctx.backend.chat(messages, params)
+                )
+                kind = "generate" if messages is None else "chat"
+                result = await ctx.request(kind, label, prompt, params, aw)
                 self._emit(result.text, node.name)
         except ProgramError:
             raise
@@ -515,7 +515,7 @@ class ProgramState:
         method = _first_choice if self._ctx.tracing else node.method
         decision = method(
             choices=list(node.choices),
-            normalized_prompt_logprobs=[_mean([e[0] for e in c]) for c in cond],
+            normalized_prompt_logprobs=[mean([e[0] for e in c]) for c in cond],
             input_token_logprobs=list(cond),
             output_token_logprobs=[[] for _ in node.choices],
             unconditional_token_logprobs=uncond,
@@ -640,10 +640,6 @@ def _options(node: Gen) -> tuple[dict[str, Any], ...]:
     """The gen's request options as an extra argument, only where it has any (a Backend
     written before options takes two arguments)."""
     return (dict(node.options),) if node.options else ()
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 async def _none() -> None:
