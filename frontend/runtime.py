@@ -21,27 +21,18 @@ STARTUP_TIMEOUT_S = 600.0  # loading a large model from disk
 _KEEP_LINES = 200  # the last lines of the server's output, shown when it fails to start
 
 
-def server_flags(kwargs: dict[str, Any]) -> list[str]:
-    """`weft serve` flags for keyword arguments: max_total_tokens=4096 -> --max-total-tokens
-    4096; True -> the bare flag; False and None -> nothing."""
-    flags: list[str] = []
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is not False and value is not None:
-            flags += [flag, str(value)]
-    return flags
-
-
 class Runtime(RuntimeEndpoint):
     """`weft.Runtime(model_path=None, **server_options)`: start a server (the options are
     `weft serve`'s flags, underscores for dashes; None: the embedded default model) and use it
     as a backend. Its output goes to this process's stderr after startup."""
 
     def __init__(self, model_path: str | None = None, **server_options: Any) -> None:
+        from weft.runtime.cli_args import config_flags
+        from weft.runtime.server_config import ServerConfig
+
         options = {"model_path": model_path, **server_options, "host": "127.0.0.1", "port": 0}
-        cmd = [sys.executable, "-m", "weft.launch_server", *server_flags(options)]
+        flags = config_flags(ServerConfig, options)  # TypeError naming an unknown option
+        cmd = [sys.executable, "-m", "weft.launch_server", *flags]
         self.process = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

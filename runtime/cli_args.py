@@ -39,6 +39,25 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         )
 
 
+def config_flags(cls: type, values: dict[str, Any]) -> list[str]:
+    """The flags `add_config_flags(parser, cls)` reads back as `values` (field name -> value):
+    the inverse, for starting a process from Python. A bool that differs from its default is
+    its switch (`--no-...` for one that defaults on); None leaves the default."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    flags: list[str] = []
+    for name, value in values.items():
+        f = fields.get(name)
+        if f is None:
+            raise TypeError(f"unknown option {name!r} (not a field of {cls.__name__})")
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value != f.default:
+                flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in vars(args).items() if k in names}

@@ -308,9 +308,13 @@ def test_cache_and_server_info_helpers(server, engine):
 
 
 def test_a_runtime_started_from_python_serves_programs(chat_model, engine):
-    with weft.Runtime(model_path=str(chat_model), max_total_tokens=4096) as runtime:
+    with weft.Runtime(
+        model_path=str(chat_model), max_total_tokens=4096, show_progress=False
+    ) as runtime:
         assert runtime.get_model_info()["has_chat_template"] is True
         assert run_triage(runtime).variables == run_triage(engine).variables
     assert runtime.process.poll() == 0  # stopped cleanly
     with pytest.raises(weft.BackendError, match="the server did not start"):
         weft.Runtime(model_path=str(chat_model / "missing"))
+    with pytest.raises(TypeError, match="unknown option 'max_tokens_total'"):
+        weft.Runtime(model_path=str(chat_model), max_tokens_total=4096)
