@@ -347,7 +347,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit(
             "bench_kernels: no CUDA device. The kernels are timed on a GPU only (on the CPU "
-            "Triton's interpreter runs them, for tests: pytest tests/kernels)."
+            "Triton's interpreter runs them, for tests: pytest tests/test_kernels)."
         )
     dev = torch.device("cuda")
     dtype = getattr(torch, args.dtype)

@@ -138,8 +138,9 @@ def gen(
     """
     if n != 1:
         raise ValueError(f"gen({name!r}): n={n}: one sample per gen; fork the state for more")
-    reader: DType | ModelType | None = None if dtype is None else _dtype(name, dtype)
-    constraint = _constraint(name, regex, json_schema, ebnf, reader)
+    typed = None if dtype is None else _dtype(name, dtype)
+    constraint = _constraint(name, regex, json_schema, ebnf, typed)
+    reader: DType | ModelType | None = typed
     if _is_model(json_schema):
         reader = ModelType(json_schema)
     if choices is not None:

@@ -2,7 +2,8 @@
 `choices_method` objects, subclassable with the same call signature.
 
 Token logprob entries are `(logprob, token_id, text)` tuples (text None), one list per choice,
-as SGLang passes them; a choice's entries are its own tokens after the prompt.
+as SGLang passes them; a choice's entries are its own tokens after the prompt. Unconditional
+entries (a choice scored alone) have logprob None for the first token, which had no context.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from weft.frontend.scoring import choose
 
 Entries = list[list[tuple[float, int, str | None]]]
+UncondEntries = list[list[tuple[float | None, int, str | None]]]
 
 
 @dataclass
@@ -37,7 +39,7 @@ class ChoicesSamplingMethod:
         normalized_prompt_logprobs: list[float],
         input_token_logprobs: Entries,
         output_token_logprobs: Entries,
-        unconditional_token_logprobs: Entries | None = None,
+        unconditional_token_logprobs: UncondEntries | None = None,
     ) -> ChoicesDecision:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__")
 
@@ -53,7 +55,7 @@ class _Builtin(ChoicesSamplingMethod):
         *,
         choices: list[str],
         input_token_logprobs: Entries,
-        unconditional_token_logprobs: Entries | None = None,
+        unconditional_token_logprobs: UncondEntries | None = None,
         **_: Any,
     ) -> ChoicesDecision:
         cond = [[e[0] for e in entries] for entries in input_token_logprobs]

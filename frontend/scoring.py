@@ -6,13 +6,17 @@ i scored alone (None where a token had no context).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
-def mean(values: list[float]) -> float:
+
+def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
 def choose(
-    method: str, cond: list[list[float]], uncond: list[list[float | None]] | None = None
+    method: str,
+    cond: Sequence[Sequence[float]],
+    uncond: Sequence[Sequence[float | None]] | None = None,
 ) -> tuple[int, list[float]]:
     """(index of the chosen choice, one score per choice); ties go to the earliest choice.
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, TokenLogprobs
-from weft.frontend.choices import ChoicesDecision
+from weft.frontend.choices import ChoicesDecision, UncondEntries
 from weft.frontend.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, flatten
 from weft.frontend.scoring import mean
 
@@ -350,7 +350,7 @@ class ProgramState:
 
     # ---- the interpreter -------------------------------------------------------------------------
 
-    def _push(self, nodes: list[Node | _ForkPoint | _JoinPoint | _SetVar]) -> None:
+    def _push(self, nodes: Sequence[Node | _ForkPoint | _JoinPoint | _SetVar]) -> None:
         if self._error is not None:
             raise self._error
         self._pending.extend(nodes)
@@ -508,7 +508,7 @@ class ProgramState:
         cond = await asyncio.gather(
             *(self._choice_logprobs(label, prefix, tail, c) for c in node.choices)
         )
-        uncond = None
+        uncond: UncondEntries | None = None
         if node.method.requires_unconditional_logprobs:
             alone = await asyncio.gather(*(self._logprobs(label, c, 0) for c in node.choices))
             uncond = [[(lp, tid, None) for lp, tid in e] for e in alone]
@@ -522,10 +522,11 @@ class ProgramState:
         )
         if decision.decision not in node.choices:
             raise ProgramError(f"{label}: {node.method!r} chose {decision.decision!r}, no choice")
+        uncond_values = None if uncond is None else [[e[0] for e in u] for u in uncond]
         meta = {
             "choice": decision.decision,
             "input_token_logprobs": [[e[0] for e in c] for c in cond],
-            "unconditional_token_logprobs": uncond and [[e[0] for e in u] for u in uncond],
+            "unconditional_token_logprobs": uncond_values,
             **decision.meta_info,
         }
         return node.choices.index(decision.decision), meta
@@ -555,7 +556,7 @@ class ProgramState:
 
     async def _choice_logprobs(
         self, label: str, prefix: str, tail: _Tail, choice: str
-    ) -> list[tuple[float, int, None]]:
+    ) -> list[tuple[float, int, str | None]]:
         # NOTE: prefix + choice may tokenize differently at the seam (" yes" swallowing the
         # prefix's trailing space); the choice's tokens start where the ids first differ.
         entries = await self._logprobs(label, prefix + choice, tail.start)

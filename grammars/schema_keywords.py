@@ -10,7 +10,7 @@ llguidance one it warns about or does not implement.
 
 The audit behind the tables: each case compiled by each backend on its own (xgrammar 0.2.8,
 llguidance 1.9.1, outlines-core 0.2.14; Qwen2's vocabulary), valid and invalid instances walked
-token by token through its matcher (tests/grammars/test_schema_differential.py keeps the routing
+token by token through its matcher (tests/test_grammars/test_schema_differential.py keeps the routing
 exact). weakened: compiles, and lets an invalid instance through. stricter: refuses some valid
 ones (not a weakening: left alone). refused: raises. The last column is what weft does now: the
 backend that serves it in the default chain (xgr, llg), or a 400 (every backend refuses it).

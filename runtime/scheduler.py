@@ -352,6 +352,7 @@ class Scheduler:
         reqs: list[Req] = []
         drafts: dict[Req, list[int]] = {}
         for p in sampling:  # a drafting request samples after each draft token too
+            assert p.sample_row is not None
             rows += range(p.sample_row, p.sample_row + 1 + len(p.draft))
             reqs += [p.req] * (1 + len(p.draft))
             if p.draft:

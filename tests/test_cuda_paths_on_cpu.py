@@ -6,7 +6,7 @@ of req_to_token, and the scheduler's CUDA defaults.
 CUDA graphs are stood in for by `_EagerGraph`: a replay reruns the model on the runner's static
 buffers, which is what a captured graph computes; the bookkeeping around it is the product's.
 NOTE: modules that import weft.kernels (Triton) are imported inside the tests: the kernel tests
-set TRITON_INTERPRET before their first import (tests/kernels/conftest.py).
+set TRITON_INTERPRET before their first import (tests/test_kernels/conftest.py).
 """
 
 from __future__ import annotations

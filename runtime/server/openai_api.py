@@ -512,6 +512,10 @@ def _constraint_param(params: SamplingParams) -> str | None:
     return params.constraint[0] if params.constraint is not None else None
 
 
+def _echo_text(tm: TokenizerManager, ids: list[int]) -> str:
+    return str(tm.tokenizer.decode(ids)) if tm.tokenizer else ""
+
+
 def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[int]], list[str]]:
     """(token ids per prompt, prompt texts for echo)."""
     if isinstance(prompt, str):
@@ -521,11 +525,11 @@ def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[in
             names = [f"prompt[{i}]" for i in range(len(prompt))]
             return tm.tokenize_many(prompt, names), list(prompt)
         if all(isinstance(p, list) for p in prompt):
-            ids = [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-            return ids, [tm.tokenizer.decode(x) if tm.tokenizer else "" for x in ids]
+            many = [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            return many, [_echo_text(tm, x) for x in many]
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            ids = tm.check_ids(prompt, "prompt")
-            return [ids], [tm.tokenizer.decode(ids) if tm.tokenizer else ""]
+            one = tm.check_ids(prompt, "prompt")
+            return [one], [_echo_text(tm, one)]
     raise bad_request(
         "prompt must be a non-empty string, list of strings, list of token ids, or list of "
         "token-id lists",

@@ -4,7 +4,7 @@ Each entry: {"name", "description", "tier", "features", "schema", "example"}. Ti
 only widely supported JSON-schema features and has short minimal instances; "extended" uses the
 rest (allOf, recursion, patternProperties, prefixItems, if/then/else, ...).
 
-Benchmarks can put tests/grammars on sys.path and `from schema_corpus import load_schemas`, or
+Benchmarks can put tests/test_grammars on sys.path and `from schema_corpus import load_schemas`, or
 read the JSON file directly.
 """
 

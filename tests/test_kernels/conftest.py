@@ -20,7 +20,9 @@ try:
 
     MISSING_TRITON = None
 except ImportError as exc:
-    MISSING_TRITON = f"tests/kernels skipped: triton is not installed ({exc}); pip install triton"
+    MISSING_TRITON = (
+        f"tests/test_kernels skipped: triton is not installed ({exc}); pip install triton"
+    )
     # NOTE: the test modules import weft.kernels, which needs triton: do not even collect them
     collect_ignore_glob = ["test_*.py"]
 
