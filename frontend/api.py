@@ -7,7 +7,6 @@ from typing import Any
 
 from weft.frontend.choices import ChoicesSamplingMethod, choices_method_named
 from weft.frontend.ir import (
-    ROLES,
     DType,
     Gen,
     ModelType,
@@ -191,7 +190,6 @@ def select(
 
 
 def _role(role: str, content: object) -> Node:
-    assert role in ROLES
     return Seq([RoleBegin(role), *flatten(content), RoleEnd(role)])
 
 
