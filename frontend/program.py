@@ -87,16 +87,12 @@ class Program:
         state = ProgramState(ctx)
         try:
             self.func(state, *args, **kwargs)
-        except Exception as exc:
-            ctx.close()
-            ctx.cancel_all(exc)
-            if not keep_error:
-                raise
-            state.fail(exc)
         except BaseException as exc:
             ctx.close()
             ctx.cancel_all(exc)
-            raise
+            if not (keep_error and isinstance(exc, Exception)):
+                raise
+            state.fail(exc)
         ctx.close()
         return state
 
