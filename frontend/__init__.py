@@ -25,6 +25,7 @@ from weft.frontend.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from weft.frontend.interpreter import ProgramError
 from weft.frontend.openai_backend import OpenAIBackend
 from weft.frontend.program import (
     Plan,
@@ -37,7 +38,7 @@ from weft.frontend.program import (
 )
 from weft.frontend.runtime import Runtime
 from weft.frontend.runtime_endpoint import RuntimeEndpoint
-from weft.frontend.state import ForkGroup, ProgramError, ProgramState
+from weft.frontend.state import ForkGroup, ProgramState
 
 __all__ = [
     "Backend",

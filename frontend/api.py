@@ -7,7 +7,6 @@ from typing import Any
 
 from weft.frontend.choices import ChoicesSamplingMethod, choices_method_named
 from weft.frontend.ir import (
-    ROLES,
     DType,
     Gen,
     ModelType,
@@ -59,16 +58,8 @@ def _constraint(
     name: str | None, regex: str | None, json_schema: Any, ebnf: str | None, dtype: DType | None
 ) -> dict[str, str]:
     """The one constraint of a gen as sampling params (json_schema as JSON text)."""
-    given = {
-        k: v
-        for k, v in {
-            "regex": regex,
-            "json_schema": json_schema,
-            "ebnf": ebnf,
-            "dtype": dtype,
-        }.items()
-        if v is not None
-    }
+    named = {"regex": regex, "json_schema": json_schema, "ebnf": ebnf, "dtype": dtype}
+    given = {k: v for k, v in named.items() if v is not None}
     if len(given) > 1:
         raise ValueError(f"gen({name!r}): give one of {', '.join(given)}, not several")
     if not given:
@@ -136,29 +127,17 @@ def gen(
       logprob_start_len, top_logprobs_num, return_text_in_logprobs.
     - n: one sample per gen; for several, fork the state (`s.fork(n)`) and gen in each.
     """
+    args = locals()  # the arguments only: read first, so SAMPLING_NAMES lists the sampling ones
+    params = {
+        SAMPLING_NAMES[k]: v for k, v in args.items() if k in SAMPLING_NAMES and v is not None
+    }
     if n != 1:
         raise ValueError(f"gen({name!r}): n={n}: one sample per gen; fork the state for more")
     typed = None if dtype is None else _dtype(name, dtype)
     constraint = _constraint(name, regex, json_schema, ebnf, typed)
-    reader: DType | ModelType | None = typed
-    if _is_model(json_schema):
-        reader = ModelType(json_schema)
+    reader: DType | ModelType | None = ModelType(json_schema) if _is_model(json_schema) else typed
     if choices is not None:
         return select(name, choices, choices_method)
-    local = {
-        "max_tokens": max_tokens,
-        "min_tokens": min_tokens,
-        "stop": stop,
-        "stop_token_ids": stop_token_ids,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "frequency_penalty": frequency_penalty,
-        "presence_penalty": presence_penalty,
-        "ignore_eos": ignore_eos,
-    }
-    params = {SAMPLING_NAMES[k]: v for k, v in local.items() if v is not None}
     asked = {
         "return_logprob": return_logprob,
         "logprob_start_len": logprob_start_len,
@@ -191,7 +170,6 @@ def select(
 
 
 def _role(role: str, content: object) -> Node:
-    assert role in ROLES
     return Seq([RoleBegin(role), *flatten(content), RoleEnd(role)])
 
 

@@ -12,25 +12,24 @@ from typing import Any
 
 from weft.frontend.choices import ChoicesSamplingMethod, token_length_normalized
 
-ROLES = ("system", "user", "assistant")
-
 
 class Node:
-    """Base class of IR nodes; `+` builds a sequence (`user("a") + gen("x")`)."""
+    """Base class of IR nodes; `+` builds a sequence (`user("a") + gen("x")`). A node prints as
+    its class called with its fields, positionally."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(map(repr, vars(self).values()))})"
 
     def __add__(self, other: object) -> Seq:
-        return Seq([*_nodes(self), *_nodes(other)])
+        return Seq([*flatten(self), *flatten(other)])
 
     def __radd__(self, other: object) -> Seq:
-        return Seq([*_nodes(other), *_nodes(self)])
+        return Seq([*flatten(other), *flatten(self)])
 
 
 @dataclass(repr=False)
 class Text(Node):
     value: str
-
-    def __repr__(self) -> str:
-        return f"Text({self.value!r})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -103,36 +102,30 @@ class Select(Node):
 class RoleBegin(Node):
     role: str
 
-    def __repr__(self) -> str:
-        return f"RoleBegin({self.role!r})"
-
 
 @dataclass(repr=False)
 class RoleEnd(Node):
     role: str
 
-    def __repr__(self) -> str:
-        return f"RoleEnd({self.role!r})"
+
+# the nodes a state queues: every node but Seq, which `s += ...` flattens
+Leaf = Text | Gen | Select | RoleBegin | RoleEnd
 
 
 @dataclass(repr=False)
 class Seq(Node):
-    nodes: list[Node]
+    nodes: list[Leaf]
 
     def __repr__(self) -> str:
         return " + ".join(repr(n) for n in self.nodes) or "Seq([])"
 
 
-def _nodes(value: object) -> list[Node]:
+def flatten(value: object) -> list[Leaf]:
+    """The flat node list for `s += value`."""
     if isinstance(value, Seq):
         return list(value.nodes)
-    if isinstance(value, Node):
+    if isinstance(value, Leaf):
         return [value]
     if isinstance(value, str):
         return [Text(value)] if value else []
     raise TypeError(f"cannot add {type(value).__name__} to a weft program (str or a weft node)")
-
-
-def flatten(value: object) -> list[Node]:
-    """The flat node list for `s += value`."""
-    return _nodes(value)

@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from weft.frontend.api import SAMPLING_NAMES
 from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, as_backend
-from weft.frontend.state import PlannedRequest, ProgramState, RunContext
+from weft.frontend.interpreter import PlannedRequest, RunContext
+from weft.frontend.state import ProgramState
 
 WARM_MIN_CHARS = 32  # a shared batch prefix shorter than this is not sent ahead
 # programs traced to find a batch's shared prefix (a trace may render roles on the server)
@@ -87,16 +88,12 @@ class Program:
         state = ProgramState(ctx)
         try:
             self.func(state, *args, **kwargs)
-        except Exception as exc:
-            ctx.close()
-            ctx.cancel_all(exc)
-            if not keep_error:
-                raise
-            state.fail(exc)
         except BaseException as exc:
             ctx.close()
             ctx.cancel_all(exc)
-            raise
+            if not (keep_error and isinstance(exc, Exception)):
+                raise
+            state.fail(exc)
         ctx.close()
         return state
 
@@ -112,7 +109,7 @@ class Program:
         the rest are sampling defaults (max_new_tokens, temperature, ...). With stream=True the
         state comes back at once: read it with state.text_iter(name)."""
         fn_kwargs, sampling = self._split(kwargs)
-        ctx = RunContext(_backend(backend), asyncio.new_event_loop(), _defaults(sampling), stream)
+        ctx = RunContext(_backend(backend), defaults=_defaults(sampling), stream=stream)
         state = self._start(ctx, args, fn_kwargs)
         if not stream:
             ctx.block(ctx.wait_all())
@@ -125,7 +122,7 @@ class Program:
         (nothing can block there); with stream=True use `async for x in state.text_async_iter()`."""
         fn_kwargs, sampling = self._split(kwargs)
         loop = asyncio.get_running_loop()
-        ctx = RunContext(_backend(backend), loop, _defaults(sampling), stream)
+        ctx = RunContext(_backend(backend), loop=loop, defaults=_defaults(sampling), stream=stream)
         state = self._start(ctx, args, fn_kwargs)
         if not stream:
             await ctx.wait_all()
@@ -161,7 +158,7 @@ class Program:
         contexts = []
         states = []
         for kwargs in batch_kwargs:
-            ctx = RunContext(be, loop, defaults, semaphore=sem, own_loop=False)
+            ctx = RunContext(be, loop=loop, defaults=defaults, semaphore=sem, own_loop=False)
             contexts.append(ctx)
             states.append(self._start(ctx, (), kwargs, keep_error=True))
 
@@ -200,8 +197,7 @@ class Program:
         (without one, roles render as `<|role|>` lines)."""
         fn_kwargs, sampling = self._split(kwargs)
         source = as_backend(backend) if backend is not None else None
-        ctx = RunContext(_TraceBackend(source), asyncio.new_event_loop(), _defaults(sampling))
-        ctx.tracing = True
+        ctx = RunContext(_TraceBackend(source), defaults=_defaults(sampling), tracing=True)
         self._start(ctx, args, fn_kwargs)
         ctx.block(ctx.wait_all())
         return Plan(ctx.plan)

@@ -7,6 +7,7 @@ i scored alone (None where a token had no context).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def mean(values: Sequence[float]) -> float:
@@ -42,3 +43,21 @@ def choose(
         raise ValueError(f"unknown choices_method {method!r}")
     best = max(range(len(scores)), key=lambda i: (scores[i], -i))
     return best, scores
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The token ids of a prefix from position `start` to its end."""
+
+    start: int
+    ids: list[int]
+
+    def seam(self, ids: list[int]) -> int | None:
+        """Position of the choice's first token in prefix + choice, whose ids from `start` on
+        are `ids`; None when they differ already at `start` (> 0): the window was too short."""
+        n = 0
+        while n < len(self.ids) and n < len(ids) and ids[n] == self.ids[n]:
+            n += 1
+        if n == 0 and self.start > 0:
+            return None
+        return self.start + n

@@ -12,8 +12,8 @@ import json
 import pytest
 
 import weft
+from weft.frontend import ProgramError
 from weft.frontend.backend import as_backend
-from weft.frontend.state import ProgramError
 
 GREEDY = {"temperature": 0}
 

@@ -10,8 +10,8 @@ import pytest
 from fake_backend import FakeBackend
 
 import weft
+from weft.frontend import ProgramError, ProgramState
 from weft.frontend.backend import GenResult
-from weft.frontend.state import ProgramError, ProgramState
 
 from conftest import fixture_path, make_engine, within
 

@@ -8,9 +8,10 @@ import pytest
 from fake_backend import FakeBackend
 
 import weft
+from weft.frontend import ProgramError
 from weft.frontend.ir import Gen, RoleBegin, RoleEnd, Select, Text, flatten
+from weft.frontend.scoring import Tail as _Tail
 from weft.frontend.scoring import choose
-from weft.frontend.state import ProgramError, _Tail
 
 
 def test_ir_nodes_print_as_the_program():
