@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, bit_is_set
+from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
+from weft.grammars.bitmask import bit_is_set
 from weft.grammars.ebnf import choices_ebnf
 from weft.grammars.schema_keywords import (
     MAX_LISTED,

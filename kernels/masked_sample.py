@@ -62,6 +62,7 @@ import importlib.util
 
 import torch
 
+from weft.grammars.bitmask import allowed_tokens, count_allowed
 from weft.kernels._checks import INDEX_DTYPES, check, check_shape, check_tensor, next_pow2
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -682,24 +683,6 @@ def masked_sample(
     return ids, logprobs
 
 
-def allowed_tokens(
-    bitmask: torch.Tensor | None, constrained: torch.Tensor | None, vocab: int
-) -> torch.Tensor | None:
-    """The allowed set [B, V] bool of each row (None: all tokens of every row)."""
-    if bitmask is None:
-        return None
-    batch, num_words = bitmask.shape
-    used = min(num_words, -(-vocab // 32))
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :used, None] >> shifts) & 1  # [B, used, 32]; bit j: token 32 w + j
-    allowed = bits.view(batch, 32 * used)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:  # tokens at or past 32 * W: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    if constrained is not None:
-        allowed |= ~constrained[:, None]
-    return allowed
-
-
 def masked_sample_reference(
     logits: torch.Tensor,
     bitmask: torch.Tensor | None,
@@ -724,7 +707,10 @@ def masked_sample_reference(
     if allowed is not None and bool(no_mass.any()):
         # all allowed logits -inf: the smallest allowed id (argmax may have found a masked one)
         ids = torch.where(no_mass, allowed.int().argmax(-1), ids)
-    n_allowed = _count_allowed(bitmask, constrained, vocab, ids)
+    if bitmask is None:
+        n_allowed = torch.full_like(ids, vocab)
+    else:
+        n_allowed = count_allowed(bitmask, constrained, vocab)
     greedy = (temperature < GREEDY_TEMPERATURE) | (top_k == 1) | no_mass
     rows = (~greedy & (n_allowed > 0)).nonzero()[:, 0]
     if rows.numel() > 0:
@@ -753,26 +739,6 @@ def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     NOTE: not index_select: on CPUs it copies a [64, 152k] float tensor ~20x slower.
     """
     return t if rows.numel() == t.shape[0] else t[rows]
-
-
-def _count_allowed(
-    bitmask: torch.Tensor | None, constrained: torch.Tensor | None, vocab: int, like: torch.Tensor
-) -> torch.Tensor:
-    """|A| per row [B] int64, by a popcount of the bitmask's bytes (a [B, V] sum costs ~10x)."""
-    if bitmask is None:
-        return torch.full_like(like, vocab)
-    words = bitmask[:, : min(bitmask.shape[1], -(-vocab // 32))]
-    if words.shape[1] * 32 > vocab:  # the last word's bits past V are no tokens
-        words = words.clone()
-        words[:, -1] &= (1 << (vocab % 32)) - 1
-    byte_values = torch.arange(256, device=bitmask.device)
-    ones = torch.zeros_like(byte_values)  # popcount of each byte value
-    for b in range(8):
-        ones += (byte_values >> b) & 1
-    count = ones[words.contiguous().view(torch.uint8).long()].sum(-1)
-    if constrained is not None:
-        count = torch.where(constrained, count, vocab)
-    return count
 
 
 def _sample_rows(

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weft.kernels.masked_sample import HAS_TRITON, allowed_tokens, masked_sample
+from weft.grammars.bitmask import allowed_tokens
+from weft.kernels.masked_sample import HAS_TRITON, masked_sample
 from weft.runtime.core import Req
 
 # The fused Triton mask + sample kernel on CUDA (the torch path below otherwise, and on CPUs).

@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from weft.grammars.base import allocate_bitmask
+from weft.grammars.bitmask import allocate_bitmask
 from weft.grammars.manager import GrammarManager, RequestGrammar
 from weft.grammars.vocab import TokenVocab
 from weft.runtime.batch_builder import RowPlan, build_batch

@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
+from weft.grammars.bitmask import allowed_tokens
 from weft.kernels import masked_sample as mod
 from weft.kernels.masked_sample import (
     HAS_TRITON,
-    allowed_tokens,
     masked_sample,
     masked_sample_auto,
     masked_sample_reference,
