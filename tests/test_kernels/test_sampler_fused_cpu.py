@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import weft.runtime.sampler as sampler
-from weft.kernels.masked_sample import HAS_TRITON, masked_sample, masked_sample_reference
+from weft.kernels.masked_sample import HAS_TRITON, masked_sample
+from weft.kernels.masked_sample_ref import masked_sample_reference
 from weft.runtime.core import Req
 from weft.runtime.sampling_params import SamplingParams
 
