@@ -364,7 +364,9 @@ class Scheduler:
         logits, reqs, bitmask = self._fill_bitmask(logits, reqs, drafts)
         if not reqs:
             return  # every row's grammar backend failed
-        ids, raw_logprobs = sample_on_device(logits, reqs, self.end_ids, bitmask)
+        ids, raw_logprobs = sample_on_device(
+            logits, reqs, self.end_ids, bitmask, fused=not self.config.disable_fused_sampling
+        )
         step = self.num_steps
         flight = _InFlight(step, reqs, ids, raw_logprobs)
         for i, req in enumerate(reqs):
