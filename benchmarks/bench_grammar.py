@@ -50,7 +50,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def bench_masks(args: argparse.Namespace) -> None:
-    from weft.grammars.base import allocate_bitmask, bit_is_set
+    from weft.grammars.bitmask import allocate_bitmask, bit_is_set
     from weft.grammars.manager import GrammarError, GrammarManager, RequestGrammar
     from weft.grammars.spec import parse_spec
     from weft.grammars.vocab import TokenVocab

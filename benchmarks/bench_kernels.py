@@ -255,7 +255,8 @@ def masked_sample_case(
 ) -> Row:
     """fp32 logits of `batch` rows, half of them grammar-constrained (a random bitmask); sampled
     rows at temperature 0.8, top-p 0.9 and top-k 50 (both thresholds searched), or all greedy."""
-    from weft.kernels.masked_sample import masked_sample, masked_sample_reference
+    from weft.kernels.masked_sample import masked_sample
+    from weft.kernels.masked_sample_ref import masked_sample_reference
 
     logits = torch.randn((batch, vocab), device=dev, generator=g) * 4  # peaked, as LM logits
     words = -(-vocab // 32)

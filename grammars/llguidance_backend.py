@@ -15,12 +15,12 @@ from weft.grammars.schema_keywords import (
     LLGUIDANCE,
     MAX_LISTED,
     describe,
-    locate,
     spec_oneofs_disjoint,
     spec_refusals,
     spec_schemas,
 )
 from weft.grammars.schema_order import optional_keys_last, optional_keys_last_text
+from weft.grammars.schema_walk import locate
 from weft.grammars.spec import JSON_WHITESPACE, GrammarSpec
 from weft.grammars.vocab import TokenVocab
 

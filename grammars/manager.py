@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, set_bits_rows
+from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
+from weft.grammars.bitmask import set_bits_rows
 from weft.grammars.jump_forward import settled_tokens
 from weft.grammars.spec import GrammarSpec, parse_spec, skip_class
 from weft.grammars.vocab import TokenVocab

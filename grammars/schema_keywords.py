@@ -8,6 +8,9 @@ names the keyword and its JSON pointer: "minLength at /properties/name/minLength
 also refuses a spec it warns about while converting it (xgrammar_backend.with_warnings), and
 llguidance one it warns about or does not implement.
 
+Here: the profiles, the $ref and oneOf analyses of the whole document, and `refusals`, which
+runs them over `schema_walk.subschemas`; the rules of each profile are in schema_rules.
+
 The audit behind the tables: each case compiled by each backend on its own (xgrammar 0.2.8,
 llguidance 1.9.1, outlines-core 0.2.14; Qwen2's vocabulary), valid and invalid instances walked
 token by token through its matcher (tests/test_grammars/test_schema_differential.py keeps the routing
@@ -78,107 +81,23 @@ is an annotation in draft 2020-12 unless a validator opts in: the regexes are le
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
-from weft.grammars.spec import resolve_pointer
-
-# Keywords that never constrain an instance.
-ANNOTATIONS = frozenset(
-    {
-        "title",
-        "description",
-        "default",
-        "examples",
-        "$schema",
-        "$id",
-        "$anchor",
-        "$dynamicAnchor",
-        "$comment",
-        "$vocabulary",
-        "deprecated",
-        "readOnly",
-        "writeOnly",
-        "$defs",
-        "definitions",
-        "contentMediaType",
-        "contentEncoding",
-        "contentSchema",
-    }
+from weft.grammars import schema_rules
+from weft.grammars.schema_walk import (
+    ANNOTATIONS,
+    NUMBER_KEYWORDS,
+    VALIDATION_KEYWORDS,
+    Site,
+    as_dict,
+    as_list,
+    find_anchors,
+    resolve_ref,
+    subschemas,
+    types_of,
 )
-# The keywords that constrain an instance (draft 2020-12, plus the draft 7 ones its validators
-# read under their $schema); anything else in a schema is an unknown keyword, which JSON Schema
-# ignores, as every backend does.
-VALIDATION_KEYWORDS = frozenset(
-    {
-        "type",
-        "enum",
-        "const",
-        "multipleOf",
-        "maximum",
-        "exclusiveMaximum",
-        "minimum",
-        "exclusiveMinimum",
-        "maxLength",
-        "minLength",
-        "pattern",
-        "format",
-        "maxItems",
-        "minItems",
-        "uniqueItems",
-        "maxContains",
-        "minContains",
-        "maxProperties",
-        "minProperties",
-        "required",
-        "dependentRequired",
-        "properties",
-        "patternProperties",
-        "additionalProperties",
-        "propertyNames",
-        "dependentSchemas",
-        "items",
-        "prefixItems",
-        "contains",
-        "allOf",
-        "anyOf",
-        "oneOf",
-        "not",
-        "if",
-        "then",
-        "else",
-        "unevaluatedItems",
-        "unevaluatedProperties",
-        "$ref",
-        "$dynamicRef",
-        "$recursiveRef",
-        "additionalItems",
-        "dependencies",
-    }
-)
-STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
-NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-
-# Where a schema keeps its subschemas, and whether they describe the same instance (True) or a
-# value inside it (False).
-_SCHEMA_VALUES = {
-    "not": True,
-    "if": True,
-    "then": True,
-    "else": True,
-    "items": False,
-    "additionalProperties": False,
-    "contains": False,
-    "propertyNames": False,
-    "unevaluatedProperties": False,
-    "unevaluatedItems": False,
-    "additionalItems": False,
-}
-_SCHEMA_LISTS = {"anyOf": True, "oneOf": True, "allOf": True, "prefixItems": False, "items": False}
-_SCHEMA_MAPS = {"properties": False, "patternProperties": False, "dependentSchemas": True}
 
 
 @dataclass(frozen=True)
@@ -195,117 +114,6 @@ class Refusal:
         verb = "passes on" if self.slow else "does not enforce"
         where = f"{self.backend} {verb} {self.keyword} at {self.pointer}"
         return f"{where}: {self.why}" if self.why else where
-
-
-@dataclass(frozen=True)
-class Site:
-    """One subschema an instance can meet."""
-
-    pointer: str  # "" for the root
-    node: dict[str, Any]
-    names: bool  # it describes property names (propertyNames), always strings
-
-    def at(self, keyword: str) -> str:
-        return f"{self.pointer}/{escape(keyword)}"
-
-
-def escape(token: str) -> str:
-    """A JSON-pointer reference token."""
-    return token.replace("~", "~0").replace("/", "~1")
-
-
-def subschemas(root: Any, base: str = "") -> list[Site]:
-    """Every object subschema an instance of `root` can meet, each once, with its JSON pointer
-    (prefixed with `base`): the applicators are followed, and each local $ref to its target
-    (at the target's own pointer); $defs nobody refers to are not."""
-    anchors = _anchors(root)
-    seen: set[tuple[int, bool]] = set()
-    sites: list[Site] = []
-    stack: list[tuple[str, Any, bool]] = [(base, root, False)]
-    while stack:
-        pointer, node, names = stack.pop()
-        if not isinstance(node, dict) or (id(node), names) in seen:
-            continue
-        seen.add((id(node), names))
-        site = Site(pointer, node, names)
-        sites.append(site)
-        children: list[tuple[str, Any, bool]] = []
-        for key, same in _SCHEMA_VALUES.items():
-            value = node.get(key)
-            if isinstance(value, dict):
-                children.append((site.at(key), value, key == "propertyNames" or (names and same)))
-        for key, same in _SCHEMA_LISTS.items():
-            value = node.get(key)
-            if isinstance(value, list):
-                at = site.at(key)
-                children.extend((f"{at}/{i}", v, names and same) for i, v in enumerate(value))
-        for key, same in _SCHEMA_MAPS.items():
-            value = node.get(key)
-            if isinstance(value, dict):
-                at = site.at(key)
-                children.extend((f"{at}/{escape(k)}", v, names and same) for k, v in value.items())
-        dependencies = node.get("dependencies")
-        if isinstance(dependencies, dict):
-            at = site.at("dependencies")
-            children.extend((f"{at}/{escape(k)}", v, names) for k, v in dependencies.items())
-        target = resolve_ref(root, node.get("$ref"), anchors)
-        if target is not None:
-            children.append((base + target[0], target[1], names))
-        stack.extend(reversed(children))
-    return sites
-
-
-def map_subschemas(node: Any, fn: Callable[[dict[str, Any], dict[str, Any]], Any]) -> Any:
-    """A copy of a schema with fn(original, copy) in place of every object subschema, innermost
-    first (`copy` has its subschemas replaced already; data such as enum values is kept)."""
-    if not isinstance(node, dict):
-        return node
-    out = dict(node)
-    for key in _SCHEMA_VALUES:
-        if isinstance(node.get(key), dict):
-            out[key] = map_subschemas(node[key], fn)
-    for key in _SCHEMA_LISTS:
-        if isinstance(node.get(key), list):
-            out[key] = [map_subschemas(v, fn) for v in node[key]]
-    for key in (*_SCHEMA_MAPS, "$defs", "definitions", "dependencies"):
-        if isinstance(node.get(key), dict):
-            out[key] = {k: map_subschemas(v, fn) for k, v in node[key].items()}
-    return fn(node, out)
-
-
-def resolve_ref(
-    root: Any, ref: Any, anchors: dict[str, tuple[str, Any]] | None = None
-) -> tuple[str, Any] | None:
-    """(pointer, target) of a local $ref ("#", "#/$defs/a", "#name"), or None (not local, or
-    dangling: backends refuse a dangling one themselves)."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        return None
-    fragment = unquote(ref[1:])
-    if fragment and not fragment.startswith("/"):
-        return (anchors if anchors is not None else _anchors(root)).get(fragment)
-    node = resolve_pointer(root, fragment)
-    return None if node is None else (fragment, node)
-
-
-def _anchors(root: Any) -> dict[str, tuple[str, Any]]:
-    """$anchor name -> (pointer, subschema), over the whole document."""
-    found: dict[str, tuple[str, Any]] = {}
-    stack: list[tuple[str, Any]] = [("", root)]
-    while stack:
-        pointer, node = stack.pop()
-        if isinstance(node, dict):
-            name = node.get("$anchor")
-            if isinstance(name, str):
-                found.setdefault(name, (pointer, node))
-            stack.extend((f"{pointer}/{escape(k)}", v) for k, v in node.items())
-        elif isinstance(node, list):
-            stack.extend((f"{pointer}/{i}", v) for i, v in enumerate(node))
-    return found
-
-
-def locate(root: Any, keyword: str, base: str = "") -> list[str]:
-    """The pointers where `keyword` is used."""
-    return [site.at(keyword) for site in subschemas(root, base) if keyword in site.node]
 
 
 # ---- what every backend refuses ----------------------------------------------------------
@@ -335,7 +143,7 @@ def unfounded_refs(root: Any, sites: list[Site], backend: str) -> Iterator[Refus
     first minItems items of an array-only one). Only references can make a subschema unfounded
     here; other unsatisfiable keywords are the backends' to refuse.
     """
-    anchors = _anchors(root)
+    anchors = find_anchors(root)
     targets: dict[int, Any] = {}
     for site in sites:
         target = resolve_ref(root, site.node.get("$ref"), anchors)
@@ -353,23 +161,23 @@ def unfounded_refs(root: Any, sites: list[Site], backend: str) -> Iterator[Refus
             return True
         if id(node) in targets and not is_founded(targets[id(node)]):
             return False
-        if not all(is_founded(s) for s in _list(node.get("allOf"))):
+        if not all(is_founded(s) for s in as_list(node.get("allOf"))):
             return False
         for key in ("anyOf", "oneOf"):
-            branches = _list(node.get(key))
+            branches = as_list(node.get(key))
             if branches and not any(is_founded(s) for s in branches):
                 return False
         types = types_of(node)
         if types == {"object"}:
-            properties = _dict(node.get("properties"))
+            properties = as_dict(node.get("properties"))
             extra = node.get("additionalProperties")
-            for name in _list(node.get("required")):
+            for name in as_list(node.get("required")):
                 if not is_founded(properties.get(name, extra)):
                     return False
         if types == {"array"}:
             count = node.get("minItems", 0)
             count = count if isinstance(count, int) else 0
-            prefix = _list(node.get("prefixItems"))
+            prefix = as_list(node.get("prefixItems"))
             if not all(is_founded(s) for s in prefix[:count]):
                 return False
             if count > len(prefix) and not is_founded(node.get("items")):
@@ -400,7 +208,7 @@ def oneof_disjoint(root: Any, base: str = "") -> bool:
     anyOf: xgrammar's fallback, which it warns about, loses nothing). A sufficient test: two
     branches allow no common type, or no common const/enum value, or are objects that require
     one property whose values are disjoint so (a tagged union: {"type": {"const": "file"}})."""
-    anchors = _anchors(root)
+    anchors = find_anchors(root)
 
     def target(node: Any) -> Any:
         for _ in range(MAX_REF_HOPS):  # a pure $ref: its target
@@ -423,15 +231,15 @@ def oneof_disjoint(root: Any, base: str = "") -> bool:
         if va is not None and vb is not None and not va & vb:
             return True
         if ta == tb == {"object"}:
-            pa, pb = _dict(a.get("properties")), _dict(b.get("properties"))
-            both = set(_list(a.get("required"))) & set(_list(b.get("required")))
+            pa, pb = as_dict(a.get("properties")), as_dict(b.get("properties"))
+            both = set(as_list(a.get("required"))) & set(as_list(b.get("required")))
             return any(
                 disjoint(pa[n], pb[n], depth + 1) for n in sorted(both) if n in pa and n in pb
             )
         return False
 
     for site in subschemas(root, base):
-        branches = _list(site.node.get("oneOf"))
+        branches = as_list(site.node.get("oneOf"))
         pairs = [(x, y) for i, x in enumerate(branches) for y in branches[i + 1 :]]
         if not all(disjoint(x, y) for x, y in pairs):
             return False
@@ -468,205 +276,6 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def types_of(node: dict[str, Any]) -> set[str] | None:
-    """The types a schema allows by its "type" keyword, or None (any)."""
-    value = node.get("type")
-    if isinstance(value, str):
-        return {value}
-    if isinstance(value, list):
-        return {t for t in value if isinstance(t, str)}
-    return None
-
-
-# ---- combinations a backend compiles but does not enforce ---------------------------------
-
-# A rule: (site, root) -> (keyword, why) for each problem at that site.
-Rule = Callable[[Site, Any], Iterable[tuple[str, str]]]
-
-
-def lengths_beside(*keywords: str) -> Rule:
-    def rule(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-        beside = [k for k in keywords if k in site.node]
-        if beside:
-            for length in ("minLength", "maxLength"):
-                if length in site.node:
-                    yield length, f"it drops minLength/maxLength beside {beside[0]}"
-
-    return rule
-
-
-def pattern_beside_format(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    if "pattern" in site.node and "format" in site.node:
-        yield "pattern", "it checks the format and drops the pattern beside it"
-
-
-def pattern_features(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    pattern = site.node.get("pattern")
-    if isinstance(pattern, str):
-        for feature in sorted(regex_features(pattern)):
-            yield "pattern", f"it ignores the {feature} in {pattern!r}"
-
-
-def wide_lengths(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    """A string length range wider than WIDEST_EXACT_REPEAT (xgrammar_backend.exact_lengths
-    writes it as a repetition): exact in xgrammar, but each token mask inside such a string took
-    ~80 ms (H200 host, Qwen2 vocabulary, xgrammar 0.2.8; 0.2-0.5 ms up to 127 wide; llguidance
-    under 1 ms at any width)."""
-    node = site.node
-    if "pattern" in node or "format" in node or not {"minLength", "maxLength"} & node.keys():
-        return  # (lengths beside a pattern or format: lengths_beside's case)
-    low, high = node.get("minLength", 0), node.get("maxLength")
-    if not isinstance(low, int) or not isinstance(high, int | None):
-        return
-    if low > WIDEST_EXACT_REPEAT or (high is not None and high - low > WIDEST_EXACT_REPEAT):
-        key = "maxLength" if high is not None else "minLength"
-        shown = f"{{{low},{'' if high is None else high}}}"
-        yield key, f"a length range {shown} wider than {WIDEST_EXACT_REPEAT} costs it ~80 ms a mask"
-
-
-def multiple_of_integers(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    value = site.node.get("multipleOf")
-    if value is None:
-        return
-    if types_of(site.node) != {"integer"} or not isinstance(value, int):
-        yield "multipleOf", "it drops multipleOf unless the type is integer and it is an integer"
-
-
-def ref_siblings(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    if "$ref" in site.node:
-        for key in site.node:
-            if key in VALIDATION_KEYWORDS and key != "$ref":
-                yield key, "it drops the keywords beside a $ref"
-
-
-def pointer_refs(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    ref = site.node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#") and ref != "#" and not ref.startswith("#/"):
-        yield "$ref", f"it ignores a reference to an anchor ({ref!r})"
-
-
-def composition_siblings(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    for composed in ("anyOf", "oneOf"):
-        if composed in site.node:
-            for key in site.node:
-                if key in VALIDATION_KEYWORDS and key != composed:
-                    yield key, f"it drops the keywords beside {composed}"
-            return
-
-
-def required_declared(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    properties = _dict(site.node.get("properties"))
-    missing = [n for n in _list(site.node.get("required")) if n not in properties]
-    if missing:
-        yield "required", f"it does not require {missing[0]!r}, which properties does not declare"
-
-
-def typed(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    """String and number keywords in a schema without a type (property names are strings: a
-    propertyNames schema needs none)."""
-    node = site.node
-    if site.names or "type" in node or "enum" in node or "const" in node:
-        return
-    for key in (*STRING_KEYWORDS, *NUMBER_KEYWORDS):
-        if key in node:
-            yield key, "it ignores it in a schema without a type"
-
-
-def enum_siblings(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    """enum/const beside keywords that some of its values violate (the backend keeps the
-    values and drops the keywords)."""
-    node = site.node
-    key = "const" if "const" in node else "enum" if "enum" in node else None
-    if key is None:
-        return
-    siblings = {
-        k: v for k, v in node.items() if k in VALIDATION_KEYWORDS and k not in ("enum", "const")
-    }
-    if not siblings:
-        return
-    values = [node["const"]] if key == "const" else _list(node.get("enum"))
-    bad = _failing(root, siblings, values)
-    if bad:
-        yield key, f"it keeps the value {bad[0]!r}, which the keywords beside {key} refuse"
-
-
-def declared_names(site: Site, root: Any) -> Iterable[tuple[str, str]]:
-    """propertyNames that refuses a name properties declares (the backend lets it through)."""
-    names = site.node.get("propertyNames")
-    declared = list(_dict(site.node.get("properties")))
-    if isinstance(names, dict) and declared:
-        bad = _failing(root, names, declared)
-        if bad:
-            yield "propertyNames", f"it lets the declared property {bad[0]!r} through"
-
-
-def _failing(root: Any, schema: dict[str, Any], values: list[Any]) -> list[Any]:
-    """The values that do not validate against `schema` (a subschema of `root`: its $refs
-    resolve there); all of them where that cannot be told."""
-    from jsonschema import Draft202012Validator, validators
-
-    cls = validators.validator_for(root, default=Draft202012Validator)
-    try:
-        check = cls(root, format_checker=cls.FORMAT_CHECKER).evolve(schema=schema)
-        return [v for v in values if not check.is_valid(v)]
-    except Exception:  # a reference it cannot resolve, a cycle: no proof the values pass
-        return values
-
-
-_LOOKAROUND = re.compile(r"\(\?<?[=!]")
-_BOUNDED = re.compile(r"\{(\d+),(\d+)\}")
-# NOTE: xgrammar 0.2.8 compiles a repetition {m,n} with n - m >= 128 inside a JSON string's
-# pattern without the string's escaping: '"', '\\' and control characters pass raw through a
-# "." or a negated class repeated so, and the output is not JSON ({"q": "a"b"}). Measured: the
-# widest width that stays exact is 127.
-WIDEST_EXACT_REPEAT = 127
-
-
-def regex_features(pattern: str) -> set[str]:
-    """The features of a pattern xgrammar ignores: "lookaround", "inner anchor" (a ^ or $ not
-    at the start or the end of the whole pattern), "JSON escaping of the repetition {m,n}"
-    (n - m > WIDEST_EXACT_REPEAT, see above)."""
-    found: set[str] = set()
-    i, end = 0, len(pattern)
-    while i < end:
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "[":
-            i = _skip_class(pattern, i + 1)
-            continue
-        if c == "(" and _LOOKAROUND.match(pattern, i):
-            found.add("lookaround")
-        elif (c == "^" and i != 0) or (c == "$" and i != end - 1):
-            found.add("inner anchor")
-        elif c == "{" and (bounded := _BOUNDED.match(pattern, i)):
-            low, high = int(bounded[1]), int(bounded[2])
-            if high - low > WIDEST_EXACT_REPEAT:
-                found.add(f"JSON escaping of the repetition {bounded[0]}")
-        i += 1
-    return found
-
-
-def _skip_class(text: str, i: int) -> int:
-    """The index after the `]` closing a character class whose content starts at `i`."""
-    if text.startswith("^", i):
-        i += 1
-    if text.startswith("]", i):
-        i += 1
-    while i < len(text) and text[i] != "]":
-        i += 2 if text[i] == "\\" else 1
-    return i + 1
-
-
 # ---- the backends ----------------------------------------------------------------------------
 
 
@@ -677,8 +286,8 @@ class Profile:
 
     backend: str
     enforced: frozenset[str] | None
-    rules: tuple[Rule, ...] = ()
-    slow: tuple[Rule, ...] = ()  # what it enforces too slowly to serve
+    rules: tuple[schema_rules.Rule, ...] = ()
+    slow: tuple[schema_rules.Rule, ...] = ()  # what it enforces too slowly to serve
 
 
 XGRAMMAR = Profile(
@@ -709,19 +318,19 @@ XGRAMMAR = Profile(
         }
     ),
     (
-        lengths_beside("pattern", "format"),
-        pattern_beside_format,
-        pattern_features,
-        multiple_of_integers,
-        ref_siblings,
-        pointer_refs,
-        composition_siblings,
-        required_declared,
-        typed,
-        enum_siblings,
-        declared_names,
+        schema_rules.lengths_beside("pattern", "format"),
+        schema_rules.pattern_beside_format,
+        schema_rules.pattern_features,
+        schema_rules.multiple_of_integers,
+        schema_rules.ref_siblings,
+        schema_rules.pointer_refs,
+        schema_rules.composition_siblings,
+        schema_rules.required_declared,
+        schema_rules.typed,
+        schema_rules.enum_siblings,
+        schema_rules.declared_names,
     ),
-    slow=(wide_lengths,),
+    slow=(schema_rules.wide_lengths,),
 )
 LLGUIDANCE = Profile("llguidance", None)
 OUTLINES = Profile(
@@ -746,12 +355,12 @@ OUTLINES = Profile(
         }
     ),
     (
-        lengths_beside("format"),
-        ref_siblings,
-        composition_siblings,
-        required_declared,
-        typed,
-        enum_siblings,
+        schema_rules.lengths_beside("format"),
+        schema_rules.ref_siblings,
+        schema_rules.composition_siblings,
+        schema_rules.required_declared,
+        schema_rules.typed,
+        schema_rules.enum_siblings,
     ),
 )
 

@@ -25,7 +25,7 @@ import json
 from typing import Any
 from urllib.parse import unquote
 
-from weft.grammars.schema_keywords import map_subschemas
+from weft.grammars.schema_walk import map_subschemas
 
 # Objects with more movable keys get one variant (all of them last), not every subset of them.
 MAX_SUBSETS_OF = 2

@@ -21,22 +21,20 @@ from typing import Any, TypeVar
 
 import torch
 
-from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher, bit_is_set
+from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
+from weft.grammars.bitmask import bit_is_set
 from weft.grammars.ebnf import choices_ebnf
 from weft.grammars.schema_keywords import (
     MAX_LISTED,
     XGRAMMAR,
     Refusal,
     describe,
-    locate,
-    map_subschemas,
     spec_oneofs_disjoint,
     spec_refusals,
     spec_schemas,
-    subschemas,
-    types_of,
 )
 from weft.grammars.schema_order import optional_keys_last
+from weft.grammars.schema_walk import locate, map_subschemas, subschemas, types_of
 from weft.grammars.spec import JSON_WHITESPACE_MAX, GrammarSpec
 from weft.grammars.vocab import TokenVocab
 
@@ -160,7 +158,7 @@ def exact_lengths(schema: Any) -> Any:
     NOTE: xgrammar compiles a length-bounded string to `[^"\\\r\n]{min,max}`, which lets raw
     control characters (a tab, \x01) into the string: the output is not JSON. The class is
     spelled out, not ".": xgrammar drops a string's escaping inside a repetition wider than
-    127 (schema_keywords.WIDEST_EXACT_REPEAT), which would let a raw '"' end the string early.
+    127 (schema_rules.WIDEST_EXACT_REPEAT), which would let a raw '"' end the string early.
     No escapes at all: stricter, not weaker.
     """
     if not isinstance(schema, dict):

@@ -100,6 +100,10 @@ class EngineConfig:
             "forward is synchronous, so it only delays the outputs; for tests of its logic)"
         ),
     )
+    disable_fused_sampling: bool = field(
+        default=False,
+        metadata=_help("sample with the torch twin on CUDA too, not the fused Triton kernel"),
+    )
     grammar_backend: str = field(
         default="xgrammar,llguidance,outlines",
         metadata=_help(

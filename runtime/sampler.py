@@ -1,4 +1,6 @@
-"""Turning logits into tokens: penalties, min_new_tokens, temperature, top-k/top-p/min-p, seeds.
+"""Turning logits into tokens: penalties and min_new_tokens here, then one draw (the grammar mask,
+temperature, top-k/top-p/min-p, the request's seeded generator) by the masked_sample kernel on
+CUDA or by its torch twin elsewhere: one semantics (kernels/masked_sample.py's docstring).
 
 Logprobs are reported from the model's raw distribution (log_softmax of the logits, before
 penalties and temperature), as vLLM and SGLang do by default.
@@ -6,15 +8,14 @@ penalties and temperature), as vLLM and SGLang do by default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from weft.kernels.masked_sample import HAS_TRITON, allowed_tokens, masked_sample
+from weft.kernels.masked_sample import HAS_TRITON, masked_sample
+from weft.kernels.masked_sample_ref import masked_sample_reference
 from weft.runtime.core import Req
-
-# The fused Triton mask + sample kernel on CUDA (the torch path below otherwise, and on CPUs).
-USE_FUSED_KERNEL = True
 
 
 @dataclass
@@ -24,48 +25,32 @@ class Sampled:
     top: list[list[tuple[float, int]]] | None  # per row, the top alternatives asked for
 
 
-def sample(
-    logits: torch.Tensor,
-    reqs: list[Req],
-    end_ids: frozenset[int],
-    bitmask: tuple[torch.Tensor, list[int]] | None = None,
-) -> Sampled:
-    """logits: [B, V] float32, one row per request in `reqs` (rows may be modified).
-    bitmask: (int32 [B, ceil(V/32)], the rows it constrains) for grammar-constrained requests."""
-    return read_back(*sample_on_device(logits, reqs, end_ids, bitmask), reqs)
-
-
 def sample_on_device(
     logits: torch.Tensor,
     reqs: list[Req],
     end_ids: frozenset[int],
     bitmask: tuple[torch.Tensor, list[int]] | None = None,
+    *,
+    fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`sample` without reading the result back: (token ids [B], raw logprobs [B, V] or None),
-    launched on the logits' device (no host sync on the fused CUDA path)."""
+    """(token ids [B], -1 for a constrained row that allows nothing; raw logprobs [B, V] or None),
+    launched on the logits' device (no host sync on the fused CUDA path; `read_back` waits).
+
+    logits: [B, V] float32, one row per request in `reqs` (rows may be modified).
+    bitmask: (int32 [B, ceil(V/32)], the rows it constrains) for grammar-constrained requests.
+    fused: the fused kernel for CUDA logits (EngineConfig.disable_fused_sampling turns it off)."""
     want_logprobs = any(r.logprob is not None for r in reqs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     _apply_penalties(logits, reqs)
     _block_early_stop(logits, reqs, end_ids)
-    if uses_fused_kernel(logits.device):
-        return _sample_fused(logits, reqs, bitmask), raw_logprobs
-    if bitmask is not None:
-        apply_bitmask(logits, *bitmask)
-
-    chosen = torch.argmax(logits, dim=-1)  # greedy rows are done here
-    sampled_rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [reqs[i] for i in sampled_rows])
-        for j, i in enumerate(sampled_rows):
-            chosen[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
-    return chosen, raw_logprobs
+    kernel = masked_sample if uses_fused_kernel(logits.device, fused) else masked_sample_reference
+    return _draw(kernel, logits, reqs, bitmask), raw_logprobs
 
 
-def uses_fused_kernel(device: torch.device) -> bool:
-    """Whether logits on `device` are sampled by the fused Triton kernel (`_sample_fused`): on
-    CUDA where Triton is installed, unless USE_FUSED_KERNEL is off."""
-    return device.type == "cuda" and USE_FUSED_KERNEL and HAS_TRITON
+def uses_fused_kernel(device: torch.device, fused: bool) -> bool:
+    """Whether logits on `device` are drawn by the fused Triton kernel: on CUDA where Triton is
+    installed, unless `fused` is off (else by its torch twin)."""
+    return device.type == "cuda" and fused and HAS_TRITON
 
 
 def read_back(chosen: torch.Tensor, raw_logprobs: torch.Tensor | None, reqs: list[Req]) -> Sampled:
@@ -73,7 +58,8 @@ def read_back(chosen: torch.Tensor, raw_logprobs: torch.Tensor | None, reqs: lis
     ids = chosen.tolist()
     if raw_logprobs is None:
         return Sampled(ids, None, None)
-    picked = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    # NOTE: clamped: a -1 (nothing allowed) ends its request; its logprob is never reported
+    picked = raw_logprobs.gather(1, chosen.clamp_min(0)[:, None])[:, 0].tolist()
     top = [
         top_logprobs(raw_logprobs[i], r.logprob.top_k) if r.logprob else []
         for i, r in enumerate(reqs)
@@ -81,14 +67,16 @@ def read_back(chosen: torch.Tensor, raw_logprobs: torch.Tensor | None, reqs: lis
     return Sampled(ids, picked, top)
 
 
-def _sample_fused(
-    logits: torch.Tensor, reqs: list[Req], bitmask: tuple[torch.Tensor, list[int]] | None
+def _draw(
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    logits: torch.Tensor,
+    reqs: list[Req],
+    bitmask: tuple[torch.Tensor, list[int]] | None,
 ) -> torch.Tensor:
-    """One Triton kernel: the grammar mask, temperature, top-k/top-p/min-p and the draw.
+    """The token ids [B] by `kernel` (masked_sample or its twin), its arguments built here.
 
     NOTE: each sampled row draws its uniform from the request's own generator, so seeded
-    requests repeat; the kernel draws by inverse CDF in vocabulary order, not with
-    torch.multinomial, so a seed gives other samples here than on the CPU.
+    requests repeat; the draw is by inverse CDF in vocabulary order (not torch.multinomial).
     """
     device = logits.device
     params = [r.params for r in reqs]
@@ -116,7 +104,7 @@ def _sample_fused(
         flags = torch.zeros(len(reqs), dtype=torch.bool)
         flags[rows] = True
         constrained = _to_device(flags, device)
-    ids, _ = masked_sample(
+    ids, _ = kernel(
         logits.float().contiguous(),
         words,
         constrained,
@@ -130,25 +118,11 @@ def _sample_fused(
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: pinned and copied without a sync on CUDA; on a CPU (the fused
-    path under Triton's interpreter, in tests) the tensor itself."""
+    """A host tensor on `device`: pinned and copied without a sync on CUDA; on a CPU the tensor
+    itself."""
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Forbid what the grammar forbids in the constrained rows. A row whose allowed tokens were
-    all blocked otherwise (min_new_tokens against a grammar that can only end) keeps the
-    grammar's tokens: the grammar wins."""
-    index = torch.tensor(rows, device=logits.device)
-    allowed = allowed_tokens(bitmask[index], None, logits.shape[-1])
-    assert allowed is not None
-    masked = logits[index].masked_fill(~allowed, float("-inf"))
-    # NOTE: no host sync on `stuck` (a decode step syncs once, when the tokens are read)
-    stuck = torch.isneginf(masked).all(dim=-1, keepdim=True)
-    grammar_only = torch.zeros_like(masked).masked_fill(~allowed, float("-inf"))
-    logits[index] = torch.where(stuck, grammar_only, masked)
 
 
 def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[float, int]]:
@@ -186,35 +160,3 @@ def _block_early_stop(logits: torch.Tensor, reqs: list[Req], end_ids: frozenset[
         blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(end_ids))
         if blocked:
             logits[i, sorted(blocked)] = float("-inf")
-
-
-def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-    """Probabilities [R, V] after temperature, top-k, top-p and min-p."""
-    temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
-    top_k = [r.params.top_k for r in reqs]
-    top_p = [r.params.top_p for r in reqs]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        vocab = probs.shape[-1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
-        ranks = torch.arange(vocab, device=probs.device)[None, :]
-        drop = ranks >= ks[:, None]
-        ps = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
-        drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= ps[:, None]
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    min_p = torch.tensor([r.params.min_p for r in reqs], device=probs.device, dtype=probs.dtype)
-    if bool((min_p > 0).any()):
-        peak = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < min_p[:, None] * peak, 0.0)
-    # NOTE: extreme penalties can leave a row without finite mass; fall back to its best token
-    probs = torch.nan_to_num(probs, nan=0.0, posinf=0.0, neginf=0.0)
-    mass = probs.sum(dim=-1, keepdim=True)
-    empty = mass[:, 0] <= 0
-    if bool(empty.any()):
-        best = torch.nan_to_num(logits[empty], nan=float("-inf")).argmax(dim=-1)
-        probs[empty] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
-        mass = probs.sum(dim=-1, keepdim=True)
-    return probs / mass

@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from weft.grammars.base import allocate_bitmask
+from weft.grammars.bitmask import allocate_bitmask
 from weft.grammars.manager import GrammarManager, RequestGrammar
 from weft.grammars.vocab import TokenVocab
 from weft.runtime.batch_builder import RowPlan, build_batch
@@ -364,7 +364,9 @@ class Scheduler:
         logits, reqs, bitmask = self._fill_bitmask(logits, reqs, drafts)
         if not reqs:
             return  # every row's grammar backend failed
-        ids, raw_logprobs = sample_on_device(logits, reqs, self.end_ids, bitmask)
+        ids, raw_logprobs = sample_on_device(
+            logits, reqs, self.end_ids, bitmask, fused=not self.config.disable_fused_sampling
+        )
         step = self.num_steps
         flight = _InFlight(step, reqs, ids, raw_logprobs)
         for i, req in enumerate(reqs):

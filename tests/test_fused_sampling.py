@@ -14,45 +14,47 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.fixture(scope="module")
-def engine(stories_dir):
-    return make_engine(stories_dir, device="cuda", max_total_tokens=4096)
+def engines(stories_dir):
+    """fused -> an engine: the fused kernel, or the torch twin (disable_fused_sampling)."""
+    return {
+        fused: make_engine(
+            stories_dir,
+            device="cuda",
+            max_total_tokens=4096,
+            disable_fused_sampling=not fused,
+        )
+        for fused in (True, False)
+    }
 
 
-def _generate(engine, params, fused: bool):
-    import weft.runtime.sampler as sampler
-
-    before = sampler.USE_FUSED_KERNEL
-    sampler.USE_FUSED_KERNEL = fused
-    try:
-        return engine.generate(["Once upon a time", "The cat"], params)
-    finally:
-        sampler.USE_FUSED_KERNEL = before
+def _generate(engines, params, fused: bool):
+    return engines[fused].generate(["Once upon a time", "The cat"], params)
 
 
-def test_greedy_equals_the_torch_path(engine):
+def test_greedy_equals_the_torch_path(engines):
     params = {"temperature": 0, "max_new_tokens": 48}
-    fused = _generate(engine, params, True)
-    plain = _generate(engine, params, False)
+    fused = _generate(engines, params, True)
+    plain = _generate(engines, params, False)
     assert [o["output_ids"] for o in fused] == [o["output_ids"] for o in plain]
 
 
-def test_constrained_greedy_equals_the_torch_path_and_matches(engine):
+def test_constrained_greedy_equals_the_torch_path_and_matches(engines):
     params = {
         "temperature": 0,
         "max_new_tokens": 24,
         "regex": r" (Lily|Tom) (was|had) [a-z ]{1,20}\.",
     }
-    fused = _generate(engine, params, True)
-    plain = _generate(engine, params, False)
+    fused = _generate(engines, params, True)
+    plain = _generate(engines, params, False)
     assert [o["output_ids"] for o in fused] == [o["output_ids"] for o in plain]
     for out in fused:
         assert re.fullmatch(r" ?(Lily|Tom) (was|had) [a-z ]{1,20}\.", out["text"]), out["text"]
 
 
-def test_seeded_samples_repeat_and_obey_top_k(engine):
+def test_seeded_samples_repeat_and_obey_top_k(engines):
     params = {"temperature": 1.0, "top_k": 5, "top_p": 0.9, "max_new_tokens": 32, "seed": 11}
-    first = _generate(engine, params, True)
-    again = _generate(engine, params, True)
+    first = _generate(engines, params, True)
+    again = _generate(engines, params, True)
     assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
 
 
@@ -75,7 +77,7 @@ def test_kernel_arguments_start_16_byte_aligned(monkeypatch, batch):
     monkeypatch.setattr(sampler, "masked_sample", spy)
     reqs = [Req(f"r{i}", [1], SamplingParams(temperature=0.5, top_k=3)) for i in range(batch)]
     logits = torch.randn(batch, 64, device="cuda")
-    ids, _ = sampler.sample_on_device(logits, reqs, frozenset())
+    ids, _ = sampler.sample_on_device(logits, reqs, frozenset(), fused=True)
     assert ids.shape == (batch,)
     assert len(seen) == 6  # logits, temperature, top_k, top_p, min_p, uniform
     assert all(t.data_ptr() % 16 == 0 for t in seen), [t.data_ptr() % 16 for t in seen]

@@ -10,8 +10,9 @@ import shutil
 import pytest
 import torch
 
+from weft.kernels.masked_sample_ref import _kept_mass
 from weft.runtime.core import LogprobRequest, Req
-from weft.runtime.sampler import _apply_penalties, _filtered_probs, sample
+from weft.runtime.sampler import _apply_penalties, sample_on_device
 from weft.runtime.sampling_params import SamplingParams
 
 from conftest import make_engine
@@ -19,13 +20,20 @@ from conftest import make_engine
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260K's vocabulary
 
 
-def _req(**params) -> Req:
-    return Req("r", [1, 2], SamplingParams(**params))
-
-
 def _probs(values: list[float], **params) -> list[float]:
+    """The probabilities the draw gives each token: its kept mass over the row's."""
     logits = torch.tensor([values]).log()
-    return [round(p, 6) for p in _filtered_probs(logits, [_req(**params)])[0].tolist()]
+    p = SamplingParams(**params)
+    mass = _kept_mass(
+        logits,
+        torch.tensor([len(values)]),
+        logits.amax(-1),
+        torch.tensor([p.temperature]),
+        torch.tensor([p.top_k]),
+        torch.tensor([p.top_p]),
+        torch.tensor([p.min_p]),
+    )
+    return [round(x, 6) for x in (mass / mass.sum(-1, keepdim=True))[0].tolist()]
 
 
 def test_top_k_keeps_the_k_largest():
@@ -64,8 +72,8 @@ def test_penalties_exact_values():
 def test_min_new_tokens_blocks_end_tokens():
     req = Req("r", [0], SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[3]))
     logits = torch.tensor([[0.0, 5.0, 0.0, 9.0]])  # end id 1 and stop id 3 lead
-    out = sample(logits, [req], end_ids=frozenset({1}))
-    assert out.token_ids == [0] or out.token_ids == [2]
+    ids, _ = sample_on_device(logits, [req], frozenset({1}), fused=True)  # CPU: the twin
+    assert ids.tolist() == [0] or ids.tolist() == [2]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from weft.grammars.base import allocate_bitmask, allowed_ids, bit_is_set
+from weft.grammars.bitmask import allocate_bitmask, allowed_ids, bit_is_set
 from weft.grammars.manager import GrammarError, GrammarManager, RequestGrammar
 from weft.grammars.spec import InvalidSpec, choices_spec, parse_spec
 
@@ -269,7 +269,7 @@ def test_backends_refuse_keywords_they_would_not_enforce(managers, backend, sche
 
 
 def test_set_bits_rows_sets_and_clears_per_row():
-    from weft.grammars.base import set_bits_rows
+    from weft.grammars.bitmask import set_bits_rows
 
     bitmask = allocate_bitmask(3, 96)
     bitmask[1].zero_()

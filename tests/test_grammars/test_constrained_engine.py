@@ -86,7 +86,7 @@ def _compiles(engine, entry) -> bool:
 # how many of the 40 core schemas each backend compiles (measured; a drop is a regression)
 MIN_SUPPORTED = {"xgrammar": 40, "llguidance": 40}
 # ... and how many of them xgrammar serves: it passes on the 13 with a string length range
-# wider than 127 (exact, but ~80 ms a mask there; schema_keywords.wide_lengths)
+# wider than 127 (exact, but ~80 ms a mask there; schema_rules.wide_lengths)
 XGRAMMAR_SERVES = 27
 # NOTE: generating for all 40 took 5 min per backend on a 2-core CPU. These ten use every
 # feature of the corpus between them (github-issue, signup-form and agent-tool-call alone do),

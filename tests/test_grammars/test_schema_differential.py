@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from weft.grammars.base import allocate_bitmask, bit_is_set
+from weft.grammars.bitmask import allocate_bitmask, bit_is_set
 from weft.grammars.manager import DEFAULT_ORDER, GrammarError, GrammarManager, RequestGrammar
-from weft.grammars.schema_keywords import resolve_ref
+from weft.grammars.schema_walk import resolve_ref
 from weft.grammars.spec import JSON_WHITESPACE_MAX, parse_spec
 
 from conftest import fixture_path

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from weft.grammars.base import allocate_bitmask, bit_is_set
+from weft.grammars.bitmask import allocate_bitmask, bit_is_set
 from weft.grammars.manager import DEFAULT_ORDER, GrammarManager, RequestGrammar
 from weft.grammars.schema_order import ORDER_KEYWORD, optional_keys_last
 from weft.grammars.spec import parse_spec

@@ -10,13 +10,8 @@ import os
 import pytest
 
 from weft.grammars.manager import GrammarError, GrammarManager
-from weft.grammars.schema_keywords import (
-    LLGUIDANCE,
-    XGRAMMAR,
-    oneof_disjoint,
-    refusals,
-    regex_features,
-)
+from weft.grammars.schema_keywords import LLGUIDANCE, XGRAMMAR, oneof_disjoint, refusals
+from weft.grammars.schema_rules import regex_features
 from weft.grammars.spec import parse_spec
 
 

@@ -14,14 +14,9 @@ import math
 import pytest
 import torch
 
-from weft.kernels import masked_sample as mod
-from weft.kernels.masked_sample import (
-    HAS_TRITON,
-    allowed_tokens,
-    masked_sample,
-    masked_sample_auto,
-    masked_sample_reference,
-)
+from weft.grammars.bitmask import allowed_tokens
+from weft.kernels.masked_sample import HAS_TRITON, masked_sample
+from weft.kernels.masked_sample_ref import masked_sample_reference
 
 from .kernel_utils import SMALL_DEVICE, generator
 
@@ -572,17 +567,6 @@ def test_checks():
         assert ids.shape == (0,) and logprobs is not None and logprobs.shape == (0,)
 
 
-def test_auto_uses_the_twin_off_cuda(monkeypatch):
-    case = _make_case("auto", torch.device("cpu"), MIXED, 80)
-
-    def no_kernel(*args, **kw):
-        raise AssertionError("the kernel ran on CPU tensors")
-
-    monkeypatch.setattr(mod, "masked_sample", no_kernel)
-    ids, logprobs = _call(masked_sample_auto, case, want_logprobs=True)
-    _assert_ids_and_logprobs(case, ids, logprobs)
-
-
 @pytest.mark.cuda
 def test_real_shapes_cuda(request):
     """B=64 at Qwen2's vocabulary (151936), half the rows constrained: kernel, twin, oracle."""
@@ -594,5 +578,3 @@ def test_real_shapes_cuda(request):
     _assert_ids_and_logprobs(case, *_kernel(case, want_logprobs=True, capacity=2048))
     _assert_ids_and_logprobs(case, *_kernel(case, want_logprobs=True, capacity=64))
     _assert_ids_and_logprobs(case, *_reference(case, want_logprobs=True))
-    auto = _call(masked_sample_auto, case)[0]
-    assert torch.equal(auto, case["expected"])

@@ -1,7 +1,7 @@
 """The sampler's fused path (taken on CUDA only) on the CPU: which logits take it, the parameter
-table it builds for the kernel (per-row values, 16-byte aligned), and its tokens: the torch path's
-for greedy rows, the torch twin's (same uniforms) for sampled ones. On the CPU the kernel runs
-under Triton's interpreter; on a GPU machine the same tests run it compiled."""
+table it builds for the kernel (per-row values, 16-byte aligned), and its tokens: those of the
+torch twin, the path CPU logits take, with the same uniforms. On the CPU the kernel runs under
+Triton's interpreter; on a GPU machine the same tests run it compiled."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import weft.runtime.sampler as sampler
-from weft.kernels.masked_sample import HAS_TRITON, masked_sample, masked_sample_reference
+from weft.kernels.masked_sample import HAS_TRITON, masked_sample
+from weft.kernels.masked_sample_ref import masked_sample_reference
 from weft.runtime.core import Req
 from weft.runtime.sampling_params import SamplingParams
 
@@ -74,22 +75,20 @@ def _bitmask(batch: int) -> torch.Tensor:
 
 def test_fused_kernel_only_for_cuda_logits(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert sampler.uses_fused_kernel(cuda) is HAS_TRITON
-    assert not sampler.uses_fused_kernel(cpu)
-    monkeypatch.setattr(sampler, "USE_FUSED_KERNEL", False)
-    assert not sampler.uses_fused_kernel(cuda)
-    monkeypatch.setattr(sampler, "USE_FUSED_KERNEL", True)
+    assert sampler.uses_fused_kernel(cuda, fused=True) is HAS_TRITON
+    assert not sampler.uses_fused_kernel(cpu, fused=True)
+    assert not sampler.uses_fused_kernel(cuda, fused=False)
     monkeypatch.setattr(sampler, "HAS_TRITON", False)
-    assert not sampler.uses_fused_kernel(cuda)
+    assert not sampler.uses_fused_kernel(cuda, fused=True)
 
 
 def test_cpu_logits_never_reach_the_fused_path(monkeypatch):
     def no_fused(*args, **kw):
         raise AssertionError("the fused path ran on CPU logits")
 
-    monkeypatch.setattr(sampler, "_sample_fused", no_fused)
+    monkeypatch.setattr(sampler, "masked_sample", no_fused)
     reqs = _reqs(ROWS, device="cpu")  # generators live where the logits do
-    ids, _ = sampler.sample_on_device(_logits(len(ROWS)).cpu(), reqs, frozenset())
+    ids, _ = sampler.sample_on_device(_logits(len(ROWS)).cpu(), reqs, frozenset(), fused=True)
     assert ids.shape == (len(ROWS),)
 
 
@@ -107,10 +106,9 @@ def test_parameter_table_rows_and_alignment(monkeypatch, batch):
         seen.append(args)
         return torch.zeros(batch, dtype=torch.int64, device=SMALL_DEVICE), None
 
-    monkeypatch.setattr(sampler, "masked_sample", spy)
     constrained = [b for b in range(batch) if b % 2 == 1]
     bitmask = (_bitmask(batch), constrained)
-    sampler._sample_fused(_logits(batch), _reqs(rows), bitmask)
+    sampler._draw(spy, _logits(batch), _reqs(rows), bitmask)
     (args,) = seen
     logits, words, flags, temperature, top_k, top_p, min_p, uniform = args
     assert words is bitmask[0]
@@ -131,17 +129,21 @@ def test_parameter_table_rows_and_alignment(monkeypatch, batch):
 @pytest.mark.parametrize("constrained", [[], [1, 2, 4]], ids=["free", "constrained"])
 def test_fused_path_tokens(monkeypatch, constrained):
     """sample_on_device's fused branch on a batch of greedy and sampled rows, some constrained:
-    greedy rows equal the torch path's tokens; sampled rows the twin's with the same uniforms."""
+    the tokens of the path CPU logits take, which are the twin's with the same uniforms."""
     batch = len(ROWS)
     logits = _logits(batch)
     bitmask = (_bitmask(batch), constrained) if constrained else None
-    monkeypatch.setattr(sampler, "uses_fused_kernel", lambda device: True)
+    monkeypatch.setattr(sampler, "uses_fused_kernel", lambda device, fused: True)
     # a small candidate buffer: the interpreter's time grows with it (the launch settings are the
     # kernel's tests' concern)
     monkeypatch.setattr(sampler, "masked_sample", functools.partial(masked_sample, capacity=16))
-    fused, _ = sampler.sample_on_device(logits.clone(), _reqs(ROWS), frozenset(), bitmask)
-    monkeypatch.setattr(sampler, "uses_fused_kernel", lambda device: False)
-    plain, _ = sampler.sample_on_device(logits.clone(), _reqs(ROWS), frozenset(), bitmask)
+    fused, _ = sampler.sample_on_device(
+        logits.clone(), _reqs(ROWS), frozenset(), bitmask, fused=True
+    )
+    monkeypatch.setattr(sampler, "uses_fused_kernel", lambda device, fused: False)
+    plain, _ = sampler.sample_on_device(
+        logits.clone(), _reqs(ROWS), frozenset(), bitmask, fused=True
+    )
 
     flags = torch.tensor([b in constrained for b in range(batch)], device=SMALL_DEVICE)
     want, _ = masked_sample_reference(
@@ -157,6 +159,7 @@ def test_fused_path_tokens(monkeypatch, constrained):
     greedy = [0, 3]
     assert fused.tolist() == want.tolist()
     assert [fused[i].item() for i in greedy] == [plain[i].item() for i in greedy]
+    assert plain.tolist() == want.tolist()  # the CPU path is the twin
     if bitmask is not None:  # every token is one its row's grammar allows
         for b in constrained:
             assert fused[b].item() % (b + 2) == 0
