@@ -29,6 +29,7 @@ def masked_sample_reference(
     NOTE: syncs with the device (it picks the sampled rows and the filters in use).
     """
     _, vocab = check_args(logits, bitmask, constrained, temperature, top_k, top_p, min_p, uniform)
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     allowed = allowed_tokens(bitmask, constrained, vocab)
     lm = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     ids = lm.argmax(-1)  # the first of the largest

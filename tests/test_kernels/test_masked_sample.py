@@ -427,6 +427,8 @@ def test_no_kept_mass_and_nan_stay_in_range():
     for kw in ({"temperature": 0.0}, {"top_p": 0.9}, {"top_k": 3}, {}):
         for got in _both(_single_row(nan_row, allowed_ids=allowed, **kw)):
             assert got in allowed
+    # both read NaN as -inf (one semantics on every device): greedy takes the first 3.0
+    assert set(_both(_single_row(nan_row, allowed_ids=allowed, temperature=0.0))) == {3}
 
 
 def test_constrained_none_means_every_row():
