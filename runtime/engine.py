@@ -13,26 +13,25 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, assert_never
 
 import torch
 
 from weft.runtime.config import EngineConfig
-from weft.runtime.core import LogprobRequest, Req, check_rid
+from weft.runtime.core import Req
+from weft.runtime.intake import Bounds, Intake, RequestError
+from weft.runtime.loaders.end_tokens import end_token_ids
 from weft.runtime.loaders.source import resolve_source
+from weft.runtime.messages import tokenizer_to_scheduler as to_sched
+from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.model_runner import ModelRunner
 from weft.runtime.results import request_output
-from weft.runtime.sampling_params import (
-    MAX_TOP_LOGPROBS_NUM,
-    SamplingParams,
-    output_room_error,
-)
+from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.scheduler import Scheduler
-from weft.runtime.tokenizer import encode_prompt, end_token_ids, load_tokenizer
+from weft.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("weft")
 
@@ -54,6 +53,26 @@ class _Pending:
     @property
     def finished(self) -> bool:
         return len(self.reqs) == self.n and all(r.finished for r in self.reqs)
+
+
+@dataclass
+class _Submit:
+    """New requests (one message, so the scheduler sees a batch at once) and their waiters."""
+
+    msg: to_sched.Generate
+    pendings: list[_Pending]
+
+
+@dataclass
+class _Call:
+    """A function to run on the engine thread between steps (`Engine.call`)."""
+
+    fn: Callable[[], Any]
+    box: dict[str, Any]
+    done: threading.Event
+
+
+_Inbox: TypeAlias = _Submit | to_sched.Abort | _Call
 
 
 class Engine:
@@ -81,9 +100,16 @@ class Engine:
         self.model_config = self.runner.model_config
         self.end_ids = end_token_ids(self.tokenizer, self.model_config, source.folder)
         self.scheduler = Scheduler(self.config, self.runner, self.tokenizer, self.end_ids)
+        bounds = Bounds(
+            vocab_size=self.model_config.vocab_size,
+            context_length=self.scheduler.max_seq_len,
+            max_prompt_tokens=self.config.max_prompt_tokens,
+            limits=self.config.request_limits,
+        )
+        self.intake = Intake(self.tokenizer, bounds)
         self.source = source
         self._pending: dict[str, _Pending] = {}
-        self._inbox: list[tuple[str, Any]] = []
+        self._inbox: list[_Inbox] = []
         self._cv = threading.Condition()
         self._stopped = False
         self._step_lock = threading.Lock()  # one scheduler step at a time, whichever thread
@@ -104,6 +130,7 @@ class Engine:
         self,
         prompt: str | list[str] | None = None,
         sampling_params: SamplingArg | list[SamplingArg] = None,
+        *,
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         logprob_start_len: int = -1,
@@ -121,11 +148,11 @@ class Engine:
             prompt,
             input_ids,
             sampling_params,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            rid,
-            namespace,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            rid=rid,
+            namespace=namespace,
         )
         pendings = self._submit_all(reqs)
         if threading.current_thread() is threading.main_thread():
@@ -141,6 +168,7 @@ class Engine:
         self,
         prompt: str | None = None,
         sampling_params: SamplingArg = None,
+        *,
         input_ids: list[int] | None = None,
         return_logprob: bool = False,
         logprob_start_len: int = -1,
@@ -156,12 +184,12 @@ class Engine:
             async for o in self.generate_stream(
                 prompt,
                 sampling_params,
-                input_ids,
-                return_logprob,
-                logprob_start_len,
-                top_logprobs_num,
-                rid,
-                namespace,
+                input_ids=input_ids,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                rid=rid,
+                namespace=namespace,
                 final_only=True,
             )
         ]
@@ -172,6 +200,7 @@ class Engine:
         self,
         prompt: str | None = None,
         sampling_params: SamplingArg = None,
+        *,
         input_ids: list[int] | None = None,
         return_logprob: bool = False,
         logprob_start_len: int = -1,
@@ -188,11 +217,11 @@ class Engine:
             prompt,
             input_ids,
             sampling_params,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            rid,
-            namespace,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            rid=rid,
+            namespace=namespace,
         )
         if len(reqs) != 1:
             raise ValueError("generate_stream takes one prompt")
@@ -218,7 +247,7 @@ class Engine:
                     self.abort(reqs[0].rid)
 
     def abort(self, rid: str) -> None:
-        self._post("abort", rid)
+        self._post(to_sched.Abort([rid]))
 
     def check_integrity(self) -> None:
         """Audit free + cached + in-use == total (runs on the engine thread)."""
@@ -240,7 +269,7 @@ class Engine:
             return fn()
         box: dict[str, Any] = {}
         done = threading.Event()
-        self._post("call", (fn, box, done))
+        self._post(_Call(fn, box, done))
         while not done.wait(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the engine thread is not running")
@@ -268,123 +297,97 @@ class Engine:
         prompt: str | list[str] | None,
         input_ids: list[int] | list[list[int]] | None,
         sampling_params: SamplingArg | list[SamplingArg],
+        *,
         return_logprob: bool,
         logprob_start_len: int,
         top_logprobs_num: int,
         rid: str | list[str] | None,
         namespace: str,
-    ) -> tuple[list[Req], bool]:
+    ) -> tuple[list[GenerateRequest], bool]:
+        """The requests of a call (one per prompt) through the intake the server uses too, and
+        whether the call gave a single prompt."""
         if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt and input_ids")
+            raise RequestError("give exactly one of prompt and input_ids", "prompt")
+        intake = self.intake
         if prompt is not None:
             single = isinstance(prompt, str)
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            ids_list = [self._tokenize(p) for p in prompts]
+            prompts: list[object] = [prompt] if isinstance(prompt, str) else list(prompt)
+            names = ["prompt"] if single else [f"prompt[{i}]" for i in range(len(prompts))]
+            ids_list = intake.encode_many(prompts, names)
         else:
             assert input_ids is not None
             single = not input_ids or not isinstance(input_ids[0], list)
-            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]  # type: ignore[arg-type]
+            batch: list[Any] = [input_ids] if single else list(input_ids)
+            ids_list = [
+                intake.check_ids(list(x), "input_ids" if single else f"input_ids[{i}]")
+                for i, x in enumerate(batch)
+            ]
         if not ids_list:
-            raise ValueError("prompt batch is empty")
+            raise RequestError("prompt batch is empty", "prompt")
+        count = len(ids_list)
         params_list = (
             list(sampling_params)
             if isinstance(sampling_params, list)
-            else [sampling_params] * len(ids_list)
+            else [sampling_params] * count
         )
-        if len(params_list) != len(ids_list):
-            raise ValueError(
-                f"sampling_params has {len(params_list)} entries for {len(ids_list)} prompts"
+        if len(params_list) != count:
+            raise RequestError(
+                f"sampling_params has {len(params_list)} entries for {count} prompts",
+                "sampling_params",
             )
-        rids: list[str | None] = [None] * len(ids_list)
-        if rid is not None:
-            rids = [check_rid(r) for r in ([rid] if isinstance(rid, str) else rid)]
-        if len(rids) != len(ids_list):
-            raise ValueError(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
-        logprob = None
-        if return_logprob:
-            if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS_NUM:
-                raise ValueError(
-                    f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {top_logprobs_num}"
-                )
-            logprob = LogprobRequest(start_len=logprob_start_len, top_k=top_logprobs_num)
+        rids = [None] * count if rid is None else [rid] if isinstance(rid, str) else list(rid)
+        if len(rids) != count:
+            raise RequestError(f"rid has {len(rids)} entries for {count} prompts", "rid")
         reqs = []
         for ids, params, r in zip(ids_list, params_list, rids, strict=True):
-            sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
-            sp.validate(self.model_config.vocab_size, self.config.request_limits)
-            self._check_ids(ids)
-            # (a max_new_tokens the caller set must fit; the default one is capped instead)
-            if isinstance(params, dict) and "max_new_tokens" in params:
-                error = output_room_error(len(ids), sp.max_new_tokens, self.context_length)
-                if error is not None:
-                    raise ValueError(error)
-            if logprob is not None and logprob.start_len >= len(ids):
-                raise ValueError(
-                    f"logprob_start_len ({logprob.start_len}) must be below the prompt length "
-                    f"({len(ids)})"
-                )
+            if isinstance(params, SamplingParams):
+                sp, explicit = params, False
+            else:
+                sp = SamplingParams.from_dict(params)
+                explicit = (params or {}).get("max_new_tokens") is not None
+            cap = intake.bounds.limits.max_new_tokens
+            if not explicit and cap is not None and sp.max_new_tokens > cap:
+                sp = dataclasses.replace(sp, max_new_tokens=cap)  # as the server: not refused
+            sp.validate(intake.bounds.vocab_size, intake.bounds.limits)
             reqs.append(
-                Req(
-                    rid=r or uuid.uuid4().hex,
-                    input_ids=ids,
-                    params=sp,
-                    logprob=logprob,
+                intake.build(
+                    ids,
+                    sp,
+                    max_tokens_explicit=explicit,
+                    logprob_start_len=logprob_start_len if return_logprob else None,
+                    top_logprobs_num=top_logprobs_num,
+                    rid=r,
                     namespace=namespace,
+                    prompt_param="input_ids" if prompt is None else "prompt",
                 )
             )
         return reqs, single
-
-    def _tokenize(self, prompt: str) -> list[int]:
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass input_ids instead of prompt")
-        if not prompt:
-            raise ValueError("prompt is empty")
-        return encode_prompt(self.tokenizer, prompt)
-
-    def _check_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty (no input_ids)")
-        vocab = self.model_config.vocab_size
-        for tid in ids:
-            if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab:
-                raise ValueError(f"input_ids has {tid!r}, not a token id in [0, {vocab})")
-        if len(ids) >= self.context_length:
-            raise ValueError(
-                f"prompt is too long: {len(ids)} tokens, the context length is "
-                f"{self.context_length} (prompt + at least one new token must fit)"
-            )
-        limit = self.config.max_prompt_tokens
-        if limit is not None and len(ids) > limit:
-            raise ValueError(
-                f"prompt is too long: {len(ids)} tokens, at most {limit} (max_prompt_tokens)"
-            )
 
     # ---- the engine thread -------------------------------------------------------------------
 
     def _submit(
         self,
-        req: Req,
+        req: GenerateRequest,
         on_update: Callable[[dict[str, Any] | None], None] | None = None,
         final_only: bool = False,
     ) -> _Pending:
         pending = _Pending(n=req.params.n, on_update=on_update, final_only=final_only)
-        self._post("add", [(req, pending)])
+        self._post(_Submit(to_sched.Generate([req]), [pending]))
         return pending
 
-    def _submit_all(self, reqs: list[Req]) -> list[_Pending]:
+    def _submit_all(self, reqs: list[GenerateRequest]) -> list[_Pending]:
         """One message for the whole batch, so the scheduler sees it at once."""
         pendings = [_Pending(n=req.params.n) for req in reqs]
-        self._post("add", list(zip(reqs, pendings, strict=True)))
+        self._post(_Submit(to_sched.Generate(reqs), pendings))
         return pendings
 
-    def _post(self, kind: str, payload: Any) -> None:
+    def _post(self, item: _Inbox) -> None:
         with self._cv:
             if self._broken is not None:
                 raise RuntimeError(f"the engine failed earlier: {self._broken}") from self._broken
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
-            self._inbox.append((kind, payload))
+            self._inbox.append(item)
             self._cv.notify()
 
     def _loop(self) -> None:
@@ -418,8 +421,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
         try:
             while inbox:
-                kind, payload = inbox.pop(0)
-                self._handle(kind, payload)
+                self._handle(inbox.pop(0))
             if self.scheduler.has_work:
                 self._dispatch(self.scheduler.step())
         except BaseException as exc:
@@ -460,27 +462,33 @@ class Engine:
                 self._foreground -= 1
                 self._cv.notify()
 
-    def _handle(self, kind: str, payload: Any) -> None:
-        if kind == "add":
-            for req, pending in payload:
-                if req.rid in self._pending:
-                    self._reject(pending, ValueError(f"rid {req.rid!r} is already in use"))
-                    continue
+    def _handle(self, item: _Inbox) -> None:
+        match item:
+            case _Submit(msg=msg, pendings=pendings):
+                for req, pending in zip(msg.reqs, pendings, strict=True):
+                    self._add(req, pending)
+            case to_sched.Abort(rids=rids):
+                for rid in rids:
+                    self.scheduler.abort(rid)
+            case _Call(fn=fn, box=box, done=done):
                 try:
-                    pending.reqs = self.scheduler.add(req)
-                except Exception as exc:  # this request only; the others go on
-                    self._reject(pending, exc)
-                    continue
-                self._pending[req.rid] = pending
-        elif kind == "abort":
-            self.scheduler.abort(payload)
-        elif kind == "call":
-            fn, box, done = payload
-            try:
-                box["value"] = fn()
-            except Exception as exc:
-                box["error"] = exc
-            done.set()
+                    box["value"] = fn()
+                except Exception as exc:
+                    box["error"] = exc
+                done.set()
+            case _:
+                assert_never(item)
+
+    def _add(self, req: GenerateRequest, pending: _Pending) -> None:
+        if req.rid in self._pending:
+            self._reject(pending, RequestError(f"rid {req.rid!r} is already in use", "rid"))
+            return
+        try:
+            pending.reqs = self.scheduler.add(Req.from_message(req))
+        except Exception as exc:  # this request only; the others go on
+            self._reject(pending, exc)
+            return
+        self._pending[req.rid] = pending
 
     def _dispatch(self, reqs: list[Req]) -> None:
         """Hand a step's progress to the callers (on the engine thread, right after the step).
@@ -494,9 +502,9 @@ class Engine:
             if pending is None:
                 continue
             if pending.on_update is not None and (req.finished or not pending.final_only):
-                chunk = request_output(req, key)
-                if req.decoder is not None:  # without a held-back stop-string prefix
-                    chunk["text"] = req.decoder.text[: req.sent_len]
+                # (the text without a held-back stop-string prefix)
+                text = req.decoder.text[: req.sent_len] if req.decoder is not None else None
+                chunk = request_output(req, key, text)
                 if not pending.final_only:  # a stream chunk, as the server's: which sample
                     chunk["index"] = req.index
                 if not self._notify(pending, chunk):
@@ -527,7 +535,7 @@ class Engine:
         self._notify(pending, None)
         pending.done.set()
 
-    def _fail_all(self, exc: BaseException, unhandled: list[tuple[str, Any]]) -> None:
+    def _fail_all(self, exc: BaseException, unhandled: list[_Inbox]) -> None:
         """Every waiter hears about it: running requests, and messages not handled yet."""
         for pending in self._pending.values():
             self._reject(pending, exc)
@@ -536,13 +544,18 @@ class Engine:
             unhandled = unhandled + self._inbox
             self._inbox = []
         stopped = RuntimeError(f"engine stopped: {exc}")
-        for kind, payload in unhandled:
-            if kind == "add":
-                for _, pending in payload:
-                    self._reject(pending, stopped)
-            elif kind == "call":
-                payload[1]["error"] = stopped
-                payload[2].set()
+        for item in unhandled:
+            match item:
+                case _Submit(pendings=pendings):
+                    for pending in pendings:
+                        self._reject(pending, stopped)
+                case _Call(box=box, done=done):
+                    box["error"] = stopped
+                    done.set()
+                case to_sched.Abort():
+                    pass
+                case _:
+                    assert_never(item)
 
     def _collect(self, pending: _Pending) -> list[dict[str, Any]]:
         if pending.error is not None:

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from weft.grammars.spec import parse_off_loop
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
-from weft.runtime.results import meta_info
+from weft.runtime.results import sample_result
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import is_admin, tenant_of
 from weft.runtime.server.sglang_params import parse_sampling_params
@@ -112,11 +112,11 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
             tm.build_request(
                 ids,
                 sp,
-                explicit,
-                start,
-                0 if tops[i] is None else tops[i],
-                rids[i],
-                param="input_ids" if obj.text is None else "text",
+                max_tokens_explicit=explicit,
+                logprob_start_len=start,
+                top_logprobs_num=0 if tops[i] is None else tops[i],
+                rid=rids[i],
+                prompt_param="input_ids" if obj.text is None else "text",
                 cache_salt=obj.cache_salt,
                 tenant=tenant,
             )
@@ -135,12 +135,13 @@ def _prompt_ids(obj: GenerateReqInput, tm: TokenizerManager) -> tuple[list[list[
         if isinstance(obj.text, str):
             return [tm.tokenize(obj.text, "text")], True
         if isinstance(obj.text, list) and obj.text and all(isinstance(t, str) for t in obj.text):
-            return tm.tokenize_many(obj.text, [f"text[{i}]" for i in range(len(obj.text))]), False
+            names = [f"text[{i}]" for i in range(len(obj.text))]
+            return tm.intake.encode_many(obj.text, names), False
         raise bad_request("text must be a non-empty string or a non-empty list of strings", "text")
     ids = obj.input_ids
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
-        return [tm.check_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)], False
-    return [tm.check_ids(ids, "input_ids")], True
+        return [tm.intake.check_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)], False
+    return [tm.intake.check_ids(ids, "input_ids")], True
 
 
 def _per_prompt(
@@ -191,11 +192,12 @@ def sample_output(
     tm: TokenizerManager, state: ReqState, i: int, text_in_logprobs: bool
 ) -> dict[str, Any]:
     s = state.samples[i]
-    meta = meta_info(
+    return sample_result(
         state.rid,
         i,
+        text=s.text,
+        output_ids=s.output_ids,
         prompt_tokens=state.prompt_tokens,
-        completion_tokens=len(s.output_ids),
         cached_tokens=s.cached_tokens,
         finish_reason=s.finish_reason,
         e2e_latency=(s.finished_at - state.created) if s.finished_at is not None else None,
@@ -203,7 +205,6 @@ def sample_output(
         logprobs=(s.output_logprobs, s.input_logprobs or []) if state.want_logprobs else None,
         token_text=tm.token_text if text_in_logprobs else None,
     )
-    return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
 
 
 async def client_gone(request: Request) -> None:

@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from weft.grammars.spec import JSON_OBJECT_SCHEMA, MAX_SPEC_CHARS, parse_off_loop
 from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
-from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.sampling_params import RequestError, SamplingParams
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import tenant_of
@@ -177,19 +177,15 @@ def _sampling(
         if limits.max_new_tokens is not None:  # a request that asked for nothing is not refused
             max_tokens = min(max_tokens, limits.max_new_tokens)
     values["max_new_tokens"] = max(max_tokens, 0)
+    names = {"max_new_tokens": max_tokens_param, "min_new_tokens": "min_tokens"}
     try:
         params = SamplingParams(**values)
-        params.validate(tm.info.vocab_size, limits)
-    except (ValueError, TypeError) as exc:
-        message = (
-            str(exc)
-            .replace("max_new_tokens", max_tokens_param)
-            .replace("min_new_tokens", "min_tokens")
+        params.validate(tm.info.vocab_size, limits, names=names)
+    except RequestError as exc:
+        given = (
+            exc.param in _SAMPLING_FIELDS or exc.param in values or exc.param == max_tokens_param
         )
-        param = message.split(" ", 1)[0]
-        raise ApiError(
-            message, 400, param=param if param in values or param == max_tokens_param else None
-        ) from None
+        raise ApiError(exc.message, 400, param=exc.param if given else None) from None
     return params, explicit
 
 
@@ -492,11 +488,11 @@ def _chat_job(
     gen = tm.build_request(
         ids,
         params,
-        explicit,
-        -1 if top is not None else None,
-        top or 0,
-        req.rid,
-        param="messages",
+        max_tokens_explicit=explicit,
+        logprob_start_len=-1 if top is not None else None,
+        top_logprobs_num=top or 0,
+        rid=req.rid,
+        prompt_param="messages",
         max_tokens_param=max_tokens_param,
         cache_salt=req.cache_salt,
         tenant=tenant,
@@ -523,12 +519,12 @@ def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[in
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             names = [f"prompt[{i}]" for i in range(len(prompt))]
-            return tm.tokenize_many(prompt, names), list(prompt)
+            return tm.intake.encode_many(prompt, names), list(prompt)
         if all(isinstance(p, list) for p in prompt):
-            many = [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            many = [tm.intake.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
             return many, [_echo_text(tm, x) for x in many]
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            one = tm.check_ids(prompt, "prompt")
+            one = tm.intake.check_ids(prompt, "prompt")
             return [one], [_echo_text(tm, one)]
     raise bad_request(
         "prompt must be a non-empty string, list of strings, list of token ids, or list of "
@@ -561,19 +557,17 @@ def _completion_job(
             tm.build_request(
                 ids,
                 params,
-                explicit,
-                -1 if top is not None else None,
-                top or 0,
-                None,
-                param="prompt",
+                max_tokens_explicit=explicit,
+                logprob_start_len=-1 if top is not None else None,
+                top_logprobs_num=top or 0,
+                rid=req.rid if len(ids_list) == 1 else None,
+                prompt_param="prompt",
                 max_tokens_param="max_tokens",
                 cache_salt=req.cache_salt,
                 tenant=tenant,
             )
         )
         param = _constraint_param(params)
-    if req.rid is not None and len(gens) == 1:
-        gens[0].rid = req.rid
     # NOTE: submitted after every spec check: parse_off_loop may run this twice
     return _Job(
         tm,

@@ -21,12 +21,13 @@ from weft.runtime.sampling_params import (
     CONSTRAINT_FIELDS,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
+    RequestError,
     RequestLimits,
     SamplingParams,
 )
 from weft.runtime.server.errors import ApiError, bad_request, not_supported
 
-_OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"grammar"}
 _JSON_FIELDS = frozenset({"json_schema", "structural_tag"})  # may also come as a JSON object
 # Accepted and without effect in weft (a delivery or bookkeeping hint, not a sampling change).
 _IGNORED_FIELDS = frozenset({"stream_interval", "custom_params"})
@@ -92,9 +93,8 @@ def parse_sampling_params(
     try:
         params = SamplingParams(**kwargs)
         params.validate(vocab_size, limits)
-    except (ValueError, TypeError) as exc:
-        named = str(exc).split(" ", 1)[0]
-        param = f"{where}.{named}" if named in kwargs else where
+    except RequestError as exc:
+        param = f"{where}.{exc.param}" if exc.param in kwargs else where
         raise ApiError(f"invalid {where}: {exc}", 400, param=param) from None
     return params, explicit
 

@@ -12,8 +12,6 @@ scheduler had died.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import itertools
 import logging
 import time
@@ -27,8 +25,7 @@ import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
-from weft.grammars.spec import off_loop
-from weft.runtime.core import check_rid
+from weft.runtime.intake import Bounds, Intake
 from weft.runtime.ipc import exit_status
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
@@ -42,13 +39,12 @@ from weft.runtime.messages.common import (
     Ready,
     Reply,
 )
-from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams, output_room_error
+from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.errors import ApiError, bad_request, error_kind
 from weft.runtime.server.metrics import ServerMetrics
 from weft.runtime.server.middleware import cache_namespace
 from weft.runtime.server.request_log import RequestLog, request_record
 from weft.runtime.server_config import ServerConfig
-from weft.runtime.tokenizer import encode_prompt
 
 logger = logging.getLogger("weft")
 
@@ -56,8 +52,6 @@ QUERY_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 5.0  # no scheduler heartbeat (sent every second) this long: frozen
 STALL_HEALTH_S = 30.0  # requests pending and no scheduler step this long: /health fails
 WATCHDOG_CHECK_S = 1.0
-INLINE_TOKENIZE_CHARS = 16 * 1024  # longer texts are tokenized off the event loop
-TRIM_AFTER_CHARS = 1 << 20  # after tokenizing a text this long, give the freed memory back
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
@@ -173,9 +167,13 @@ class TokenizerManager:
         self._token_texts: dict[int, str] = {}
         self._anchor: int | None = None
         self._recv_task: asyncio.Task[None] | None = None
-        # the most characters one token stands for (the longest token string, special tokens
-        # included, plus one for a normalizer's added prefix): a longer text cannot fit
-        self._token_chars = _longest_token(tokenizer) + 1 if tokenizer is not None else 0
+        bounds = Bounds(
+            vocab_size=info.vocab_size,
+            context_length=info.context_length,
+            max_prompt_tokens=config.max_prompt_tokens,
+            limits=config.request_limits,
+        )
+        self.intake = Intake(tokenizer, bounds)
         self.dead: str | None = None  # why the server cannot serve any more
         # the scheduler's liveness, from its heartbeats (monotonic times)
         self._heartbeat_at = time.monotonic()
@@ -282,55 +280,41 @@ class TokenizerManager:
         if self.draining:
             raise ApiError("the server is shutting down: it accepts no new requests", 503)
 
-    # ---- tokens -----------------------------------------------------------------------------
+    # ---- tokens and requests (the checks: `weft.runtime.intake`, shared with the Engine) ----
 
-    def tokenize(
-        self, text: str, param: str = "text", add_special_tokens: bool = True
-    ) -> list[int]:
-        """Special-token strings in the text (a rendered chat template) become special tokens."""
-        return self.tokenize_many([text], [param], add_special_tokens)[0]
+    def tokenize(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.intake.encode(text, param, add_special_tokens=add_special_tokens)
 
-    def tokenize_many(
-        self, texts: list[str], params: list[str], add_special_tokens: bool = True
-    ) -> list[list[int]]:
-        """The prompts of one request (`params` names each one's field).
-
-        A text that cannot fit is refused before any tokenizing. Inside `parse_off_loop`, long
-        texts are tokenized on a worker thread (the tokenizer releases the GIL), all of a
-        request's in one job: a 16 MB prompt once held the event loop, /health and every stream
-        with it, for 26 s; and each job reruns the request's parse (a job per prompt made a
-        batch of k long prompts parse k + 1 times)."""
-        tokenizer = self.tokenizer
-        for text, param in zip(texts, params, strict=True):
-            self._check_text(text, param)
-        assert tokenizer is not None  # (checked)
-        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
-            return [encode_prompt(tokenizer, t, add_special_tokens) for t in texts]
-        key = ("tokenize", tuple(texts), add_special_tokens)
-        return off_loop(key, lambda: _encode_and_trim(tokenizer, texts, add_special_tokens))
-
-    def _check_text(self, text: str, param: str) -> None:
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer: send input_ids instead of text", param)
-        if not text:
-            raise bad_request(f"{param} is empty", param)
-        if len(text) > self.max_prompt_tokens * self._token_chars:
-            limited = self.config.max_prompt_tokens is not None
-            raise ApiError(
-                f"{param} is too long: {len(text)} characters can only make more than "
-                f"{self.max_prompt_tokens} tokens (the most a prompt may have here"
-                f"{', --max-prompt-tokens' if limited else ''}), since no token of this model "
-                f"is longer than {self._token_chars} characters",
-                400,
-                param=param,
-                code="prompt_too_long" if limited else "context_length_exceeded",
-            )
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        limit = self.config.max_prompt_tokens
-        context = self.info.context_length - 1  # the prompt and one new token must fit
-        return context if limit is None else min(limit, context)
+    def build_request(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        *,
+        max_tokens_explicit: bool,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int = 0,
+        rid: str | None = None,
+        prompt_param: str = "text",
+        max_tokens_param: str = "max_new_tokens",
+        cache_salt: object = None,
+        tenant: str | None = None,
+    ) -> to_sched.GenerateRequest:
+        """The intake's request, in the caller's prefix-cache namespace."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        return self.intake.build(
+            ids,
+            params,
+            max_tokens_explicit=max_tokens_explicit,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            rid=rid,
+            prompt_param=prompt_param,
+            max_tokens_param=max_tokens_param,
+            # NOTE: the prefix cache only matches within a namespace: requests of another
+            # tenant, or with another salt, never reuse this one's KV (nor it theirs)
+            namespace=cache_namespace(tenant, cache_salt),
+        )
 
     def token_text(self, tid: int) -> str:
         """The text a token adds after other text (for logprobs).
@@ -353,78 +337,6 @@ class TokenizerManager:
             self._token_texts[tid] = text
         return text
 
-    def check_ids(self, ids: Any, param: str) -> list[int]:
-        if not isinstance(ids, list) or not ids:
-            raise bad_request(f"{param} must be a non-empty list of token ids", param)
-        vocab = self.info.vocab_size
-        for tid in ids:
-            if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab:
-                raise bad_request(f"{param} has {tid!r}, not a token id in [0, {vocab})", param)
-        return ids
-
-    def build_request(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        max_tokens_explicit: bool,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int = 0,
-        rid: str | None = None,
-        param: str = "text",
-        max_tokens_param: str = "max_new_tokens",
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-    ) -> to_sched.GenerateRequest:
-        """Checks that need the model: prompt and output length against the context (and the
-        server's --max-prompt-tokens)."""
-        context = self.info.context_length
-        if len(ids) >= context:
-            raise ApiError(
-                f"the prompt is too long: {len(ids)} tokens, the context length is {context} "
-                "(the prompt and at least one new token must fit)",
-                400,
-                param=param,
-                code="context_length_exceeded",
-            )
-        limit = self.config.max_prompt_tokens
-        if limit is not None and len(ids) > limit:
-            raise ApiError(
-                f"the prompt is too long: {len(ids)} tokens, this server takes at most {limit} "
-                "(--max-prompt-tokens)",
-                400,
-                param=param,
-                code="prompt_too_long",
-            )
-        room = output_room_error(len(ids), params.max_new_tokens, context, max_tokens_param)
-        if max_tokens_explicit and room is not None:
-            raise ApiError(room, 400, param=max_tokens_param, code="context_length_exceeded")
-        if logprob_start_len is not None:
-            if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
-                raise bad_request("logprob_start_len must be an integer", "logprob_start_len")
-            if not -1 <= logprob_start_len < len(ids):
-                raise bad_request(
-                    f"logprob_start_len ({logprob_start_len}) must be -1 or below the prompt "
-                    f"length ({len(ids)})",
-                    "logprob_start_len",
-                )
-        top_max = MAX_TOP_LOGPROBS_NUM
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= top_max:
-            raise bad_request(
-                f"top_logprobs_num must be an integer in [0, {top_max}]", "top_logprobs_num"
-            )
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
-        return to_sched.GenerateRequest(
-            rid=uuid.uuid4().hex if rid is None else rid,
-            input_ids=ids,
-            params=params,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            # NOTE: the prefix cache only matches within a namespace: requests of another
-            # tenant, or with another salt, never reuse this one's KV (nor it theirs)
-            namespace=cache_namespace(tenant, cache_salt),
-        )
-
     # ---- requests ---------------------------------------------------------------------------
 
     def submit(
@@ -444,7 +356,7 @@ class TokenizerManager:
         self._check_queue()
         if not self.states:  # the stall clock counts from the first pending request
             self._progress_at = time.monotonic()
-        rids = [_checked_rid(r.rid) for r in reqs]
+        rids = [r.rid for r in reqs]  # (checked by the intake)
         if len(set(rids)) != len(rids) or any((tenant, rid) in self._by_caller for rid in rids):
             raise bad_request("rid is already in use by a running request", "rid")
         listener = asyncio.Event()
@@ -729,32 +641,6 @@ def scheduler_liveness(
     else:
         why = None
     return why, max(silent_s, stuck_s if pending else 0.0)
-
-
-def _longest_token(tokenizer: PreTrainedTokenizerBase) -> int:
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max(len(t) for t in tokens if t is not None)
-
-
-def _encode_and_trim(
-    tokenizer: PreTrainedTokenizerBase, texts: tuple[str, ...] | list[str], add_special: bool
-) -> list[list[int]]:
-    ids = [encode_prompt(tokenizer, t, add_special) for t in texts]
-    if sum(len(t) for t in texts) >= TRIM_AFTER_CHARS:
-        _malloc_trim()  # NOTE: glibc keeps the tokenizer's freed arenas (180 MiB once) otherwise
-    return ids
-
-
-def _malloc_trim() -> None:
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _checked_rid(rid: str) -> str:
-    try:
-        return check_rid(rid)
-    except ValueError as exc:
-        raise bad_request(str(exc), "rid") from None
 
 
 def _anchor_token(tokenizer: PreTrainedTokenizerBase) -> int:
