@@ -24,8 +24,8 @@ from weft.runtime.server.middleware import (
     load_api_keys,
     require_admin,
 )
-from weft.runtime.server.native_api import json_response
 from weft.runtime.server.openai_protocol import RenderChatRequest
+from weft.runtime.server.responses import json_response
 from weft.runtime.server.tokenizer_manager import TokenizerManager
 from weft.runtime.server.tool_calls import check_tools
 

@@ -25,10 +25,10 @@ from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.results import sample_result
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import is_admin, tenant_of
+from weft.runtime.server.request_state import ReqState, refused, request_error
+from weft.runtime.server.responses import SSE_DONE, client_gone, json_response, sse
 from weft.runtime.server.sglang_params import parse_sampling_params
-from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
-
-SSE_DONE = b"data: [DONE]\n\n"
+from weft.runtime.server.tokenizer_manager import TokenizerManager
 
 
 class GenerateReqInput(msgspec.Struct):
@@ -162,25 +162,6 @@ def _per_prompt(
 # ---- responses ------------------------------------------------------------------------------
 
 
-def request_error(state: ReqState, param: str | None = None) -> ApiError | None:
-    """Why a request failed: the server's error, or a finish reason with an error status (the
-    scheduler refused the request, e.g. its grammar does not compile; `param` names the field)."""
-    if state.error is not None:
-        return state.error
-    for sample in state.samples:
-        if refused(sample):
-            reason = sample.finish_reason or {}
-            message = str(reason.get("message") or "the request failed")
-            return ApiError(message, int(reason["status_code"]), param=param)
-    return None
-
-
-def refused(sample: Sample) -> bool:
-    """The sample ended with an error status (it has no output to send)."""
-    status = (sample.finish_reason or {}).get("status_code")
-    return isinstance(status, int) and status >= 400
-
-
 def raise_request_errors(states: list[ReqState], params: dict[str, str]) -> None:
     for state in states:
         error = request_error(state, params.get(state.rid))
@@ -205,24 +186,6 @@ def sample_output(
         logprobs=(s.output_logprobs, s.input_logprobs or []) if state.want_logprobs else None,
         token_text=tm.token_text if text_in_logprobs else None,
     )
-
-
-async def client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body is read already: nothing else arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def json_response(
-    content: Any, status: int = 200, headers: dict[str, str] | None = None
-) -> Response:
-    return Response(
-        msgspec.json.encode(content), status, headers=headers, media_type="application/json"
-    )
-
-
-def sse(content: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(content) + b"\n\n"
 
 
 async def _stream(

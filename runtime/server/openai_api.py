@@ -30,21 +30,15 @@ from weft.runtime.sampling_params import RequestError, SamplingParams
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import tenant_of
-from weft.runtime.server.native_api import (
-    SSE_DONE,
-    client_gone,
-    json_response,
-    refused,
-    request_error,
-    sse,
-)
 from weft.runtime.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
 )
+from weft.runtime.server.request_state import ReqState, Sample, refused, request_error
+from weft.runtime.server.responses import SSE_DONE, client_gone, json_response, sse
 from weft.runtime.server.sglang_params import check_constraint, check_stop
-from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
+from weft.runtime.server.tokenizer_manager import TokenizerManager
 from weft.runtime.server.tool_calls import (
     TOOL_NAME,
     ToolCallParser,
