@@ -22,19 +22,21 @@ from weft.runtime.server.openai_protocol import ChatCompletionRequest
 from weft.runtime.server.request_state import ReqState, Sample
 from weft.runtime.server.sglang_params import parse_sampling_params
 from weft.runtime.server.tool_calls import (
-    LLAMA3_JSON,
-    QWEN25,
-    ToolCall,
-    ToolCallParser,
     ToolChoice,
     check_tool_choice,
     check_tools,
     closed_schema,
-    detect_format,
-    parse_tool_calls,
     plan_tools,
     strict_schema,
     structural_tag,
+)
+from weft.runtime.server.tool_parser import (
+    LLAMA3_JSON,
+    QWEN25,
+    ToolCall,
+    ToolCallParser,
+    detect_format,
+    parse_tool_calls,
 )
 from weft.runtime.server_config import ServerConfig
 

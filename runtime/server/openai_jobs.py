@@ -17,7 +17,8 @@ from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.server.request_state import ReqState, Sample, refused, request_error
 from weft.runtime.server.responses import SSE_DONE, sse
 from weft.runtime.server.tokenizer_manager import TokenizerManager
-from weft.runtime.server.tool_calls import ToolCallParser, ToolPlan
+from weft.runtime.server.tool_calls import ToolPlan
+from weft.runtime.server.tool_parser import ToolCallParser
 
 
 def _finish_reason(sample: Sample) -> str | None:
