@@ -1,4 +1,10 @@
-"""Per-request sampling parameters, validated so that a bad field is named in the error."""
+"""Per-request sampling parameters, validated so that a bad field is named in the error.
+
+The table at the top (RANGES, ALIASES, SGLANG_EXTRAS) is the one statement of what a request may
+ask: `SamplingParams.validate` checks the ranges, the server maps OpenAI's and SGLang's spellings
+and SGLang's extra keys by it (`server.openai_api`, `server.sglang_params`), and `server.openapi`
+documents all of it from the same entries.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +27,89 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_LEN = 1024  # characters of one stop string
 MAX_TOP_LOGPROBS_NUM = 1024  # alternatives per position (the OpenAI API allows 20)
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field takes: [low, high], or (low, high] with `open_low`."""
+
+    low: float
+    high: float | None = None  # None: no bound (an int still fits msgpack's int64)
+    integer: bool = False
+    open_low: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        """RequestError naming `name` (the field as the caller spells it) when out of range."""
+        if self.integer:
+            high = MAX_INT if self.high is None else int(self.high)
+            _int(name, value, int(self.low), high)
+        else:
+            _num(name, value, self.low, self.high)
+        if self.open_low and value == self.low:
+            raise RequestError(
+                f"{name} must be in ({self.low:g}, {self.high:g}], got {value:g}", name
+            )
+
+    def schema(self) -> dict[str, Any]:
+        """The range as JSON schema keywords (the OpenAPI document)."""
+        low = int(self.low) if self.low == int(self.low) else self.low
+        out: dict[str, Any] = {("exclusiveMinimum" if self.open_low else "minimum"): low}
+        if self.high is not None:
+            out["maximum"] = int(self.high) if self.high == int(self.high) else self.high
+        return out
+
+
+# The numeric fields, in the order `validate` checks them.
+RANGES: dict[str, Range] = {
+    "max_new_tokens": Range(0, integer=True),
+    "min_new_tokens": Range(0, integer=True),
+    "temperature": Range(0.0),
+    "top_p": Range(0.0, 1.0, open_low=True),
+    "top_k": Range(-1, MAX_TOP_K, integer=True),  # -1 (or 0): off
+    "min_p": Range(0.0, 1.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.01, 2.0),
+    "n": Range(1, MAX_N, integer=True),
+    "seed": Range(0, MAX_SEED, integer=True),  # (None: unseeded)
+}
+# Other APIs' names of SamplingParams fields (OpenAI's, SGLang's).
+ALIASES: dict[str, str] = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "sampling_seed": "seed",
+}
+
+
+@dataclass(frozen=True)
+class Extra:
+    """A key of SGLang's sampling_params that is no SamplingParams field: another name of one
+    (`alias`), a feature weft lacks (`unsupported`, how the 400 names it; the values in
+    `accepts` ask for nothing and pass), or accepted and without effect (neither)."""
+
+    schema: dict[str, Any]  # what the OpenAPI document says it takes
+    alias: str | None = None
+    unsupported: str | None = None  # "{param}": the key as sent (sampling_params.beam_width)
+    accepts: tuple[Any, ...] = ()
+
+
+SGLANG_EXTRAS: dict[str, Extra] = {
+    "sampling_seed": Extra({"type": "integer"}, alias="seed"),
+    "stop_regex": Extra(
+        {"anyOf": [{"const": ""}, {"type": "array", "maxItems": 0}]},
+        unsupported="{param}",
+        accepts=("", []),
+    ),
+    "logit_bias": Extra(
+        {"type": "object", "maxProperties": 0}, unsupported="{param}", accepts=({},)
+    ),
+    "beam_width": Extra({"const": 1}, unsupported="beam search ({param})", accepts=(1,)),
+    "watermark": Extra({"type": "null"}, unsupported="{param}"),
+    "stream_interval": Extra({"type": "integer"}),  # a delivery hint
+    "custom_params": Extra({}),  # bookkeeping
+}
+_FLOAT_FIELDS = tuple(name for name, r in RANGES.items() if not r.integer)
 
 
 class RequestError(ValueError):
@@ -101,10 +182,9 @@ class SamplingParams:
     def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
         """Build from a request dict (not validated yet); explicit nulls mean "default"; unknown
         keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"grammar"}
         kwargs = {}
         for key, value in (values or {}).items():
-            if key not in known:
+            if key not in SAMPLING_FIELDS:
                 raise RequestError(f"unknown sampling parameter {key!r}", key)
             if value is not None:
                 kwargs[key] = value
@@ -147,7 +227,10 @@ class SamplingParams:
         def name(field: str) -> str:
             return spell.get(field, field)
 
-        _int(name("max_new_tokens"), self.max_new_tokens, low=0)
+        for field_name, bounds in RANGES.items():
+            value = getattr(self, field_name)
+            if value is not None or field_name != "seed":
+                bounds.check(name(field_name), value)
         cap = limits.max_new_tokens
         if cap is not None and self.max_new_tokens > cap:
             raise RequestError(
@@ -155,27 +238,14 @@ class SamplingParams:
                 f"(--max-new-tokens-cap), got {self.max_new_tokens}",
                 name("max_new_tokens"),
             )
-        _int(name("min_new_tokens"), self.min_new_tokens, low=0)
         if self.min_new_tokens > self.max_new_tokens:
             raise RequestError(
                 f"{name('min_new_tokens')} ({self.min_new_tokens}) must not exceed "
                 f"{name('max_new_tokens')} ({self.max_new_tokens})",
                 name("min_new_tokens"),
             )
-        _num(name("temperature"), self.temperature, low=0.0)
-        _num(name("top_p"), self.top_p, low=0.0, high=1.0)
-        if self.top_p == 0.0:
-            raise RequestError(f"{name('top_p')} must be in (0, 1], got 0", name("top_p"))
-        _int(name("top_k"), self.top_k, low=-1, high=MAX_TOP_K)
-        _num(name("min_p"), self.min_p, low=0.0, high=1.0)
-        _num(name("frequency_penalty"), self.frequency_penalty, low=-2.0, high=2.0)
-        _num(name("presence_penalty"), self.presence_penalty, low=-2.0, high=2.0)
-        _num(name("repetition_penalty"), self.repetition_penalty, low=0.01, high=2.0)
         self._validate_stops(vocab_size, name("stop"), name("stop_token_ids"))
-        _int(name("n"), self.n, low=1, high=MAX_N)
         self._validate_constraint(limits, name)
-        if self.seed is not None:
-            _int(name("seed"), self.seed, low=0, high=MAX_SEED)
         for flag in (
             "ignore_eos",
             "skip_special_tokens",
@@ -250,3 +320,7 @@ def _num(name: str, value: Any, low: float, high: float | None = None) -> None:
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise RequestError(f"{name} must be {bound}, got {value}", name)
+
+
+# the fields a caller sets (grammar is validate's parse of the constraint field)
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"grammar"}

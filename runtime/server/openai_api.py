@@ -22,7 +22,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from weft.grammars.spec import JSON_OBJECT_SCHEMA, MAX_SPEC_CHARS, parse_off_loop
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
-from weft.runtime.sampling_params import RequestError, SamplingParams
+from weft.runtime.sampling_params import (
+    ALIASES,
+    CONSTRAINT_FIELDS,
+    SAMPLING_FIELDS,
+    RequestError,
+    SamplingParams,
+)
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import tenant_of
@@ -46,24 +52,16 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _EXTENSION_CONSTRAINTS = ("regex", "json_schema", "ebnf")  # SGLang's fields, same as native
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
-# OpenAI field -> weft SamplingParams field, copied when not null
+# OpenAI field -> weft SamplingParams field (ALIASES), copied when not null; max_tokens, stop and
+# the constraints are read by hand
+_BY_HAND = frozenset({"max_tokens", "max_completion_tokens", "stop", *CONSTRAINT_FIELDS})
 _SAMPLING_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "n": "n",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_new_tokens",
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "spaces_between_special_tokens": "spaces_between_special_tokens",
-    "no_stop_trim": "no_stop_trim",
-    "stop_token_ids": "stop_token_ids",
+    name: ALIASES.get(name, name)
+    for name in _SamplingFields.__struct_fields__
+    if ALIASES.get(name, name) in SAMPLING_FIELDS and name not in _BY_HAND
 }
+# how an error names a SamplingParams field that OpenAI spells otherwise (max_tokens: as sent)
+_OPENAI_NAMES = {field: name for name, field in _SAMPLING_FIELDS.items() if name != field}
 
 
 def _check_model(tm: TokenizerManager, model: str | None) -> str:
@@ -165,7 +163,7 @@ def _sampling(
         if limits.max_new_tokens is not None:  # a request that asked for nothing is not refused
             max_tokens = min(max_tokens, limits.max_new_tokens)
     values["max_new_tokens"] = max(max_tokens, 0)
-    names = {"max_new_tokens": max_tokens_param, "min_new_tokens": "min_tokens"}
+    names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_param}
     try:
         params = SamplingParams(**values)
         params.validate(tm.info.vocab_size, limits, names=names)

@@ -3,7 +3,7 @@
 SGLang clients send every field they know, often as explicit nulls ("regex": null) or as SGLang's
 own spellings (`sampling_seed`, top_k = 1 << 30 for "off"). Null means "default"; a feature weft
 does not have yet (regex stops, logit bias, beams) is a clear 400, never silently ignored; a key
-nobody knows is a 400 naming it.
+nobody knows is a 400 naming it. The extra keys and what each means: `SGLANG_EXTRAS`.
 
 Output constraints (regex, json_schema, ebnf, structural_tag; at most one) are checked here, in
 the HTTP process, with `weft.grammars.spec.parse_spec`: a spec that is not valid JSON, not a valid
@@ -12,7 +12,6 @@ JSON schema, or too large is a 400 before the scheduler sees it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -21,16 +20,15 @@ from weft.runtime.sampling_params import (
     CONSTRAINT_FIELDS,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
+    SAMPLING_FIELDS,
+    SGLANG_EXTRAS,
     RequestError,
     RequestLimits,
     SamplingParams,
 )
 from weft.runtime.server.errors import ApiError, bad_request, not_supported
 
-_OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"grammar"}
 _JSON_FIELDS = frozenset({"json_schema", "structural_tag"})  # may also come as a JSON object
-# Accepted and without effect in weft (a delivery or bookkeeping hint, not a sampling change).
-_IGNORED_FIELDS = frozenset({"stream_interval", "custom_params"})
 
 
 def parse_sampling_params(
@@ -64,25 +62,15 @@ def parse_sampling_params(
             constraints.append(key)
             kwargs[key] = text
             continue
-        if key == "stop_regex":
-            if value in ("", []):
+        extra = SGLANG_EXTRAS.get(key)
+        if extra is not None:
+            if extra.alias is None:
+                if extra.unsupported is not None and value not in extra.accepts:
+                    param = f"{where}.{key}"
+                    raise not_supported(extra.unsupported.format(param=param), param)
                 continue
-            raise not_supported(f"{where}.stop_regex", f"{where}.stop_regex")
-        if key == "logit_bias":
-            if value == {}:
-                continue
-            raise not_supported(f"{where}.logit_bias", f"{where}.logit_bias")
-        if key == "beam_width":
-            if value == 1:
-                continue
-            raise not_supported(f"beam search ({where}.beam_width)", f"{where}.beam_width")
-        if key == "watermark":
-            raise not_supported(f"{where}.watermark", f"{where}.watermark")
-        if key in _IGNORED_FIELDS:
-            continue
-        if key == "sampling_seed":
-            key = "seed"
-        if key not in _OWN_FIELDS:
+            key = extra.alias
+        if key not in SAMPLING_FIELDS:
             raise bad_request(f"unknown sampling parameter {key!r}", f"{where}.{key}")
         kwargs[key] = value
     _check_lists(kwargs, where)
