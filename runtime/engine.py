@@ -15,13 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypedDict, Unpack
 
 import torch
 
 from weft.runtime.config import EngineConfig
 from weft.runtime.engine_thread import EngineThread, failure
-from weft.runtime.intake import Bounds, Intake, RequestError
+from weft.runtime.intake import Bounds, Intake, per_prompt
 from weft.runtime.loaders.end_tokens import end_token_ids
 from weft.runtime.loaders.source import resolve_source
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
@@ -35,6 +35,17 @@ from weft.runtime.tokenizer import load_tokenizer
 logger = logging.getLogger("weft")
 
 SamplingArg: TypeAlias = SamplingParams | dict[str, Any] | None
+
+
+class RequestArgs(TypedDict, total=False):
+    """`Engine.generate`'s keywords past the prompt and sampling_params (SGLang's names)."""
+
+    input_ids: list[int] | list[list[int]] | None  # the prompt as token ids, instead of `prompt`
+    return_logprob: bool
+    logprob_start_len: int  # with return_logprob: the first prompt position scored; -1: none
+    top_logprobs_num: int  # alternatives per position
+    rid: str | list[str] | None  # the request's id (one per prompt of a batch)
+    namespace: str  # prefix-cache namespace: no cache hit across namespaces
 
 
 class Engine(EngineThread):
@@ -83,13 +94,7 @@ class Engine(EngineThread):
         self,
         prompt: str | list[str] | None = None,
         sampling_params: SamplingArg | list[SamplingArg] = None,
-        *,
-        input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-        rid: str | list[str] | None = None,
-        namespace: str = "",
+        **request: Unpack[RequestArgs],
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. A single prompt gives a dict (a list of n dicts if n > 1); a
         batch gives a flat list in order, n entries per prompt.
@@ -97,17 +102,8 @@ class Engine(EngineThread):
         Not from the engine's own thread (inside a function given to `call`): that thread runs
         the steps this would wait for, so it raises RuntimeError at once."""
         self._check_not_stepping("generate")
-        reqs, single = self._build(
-            prompt,
-            input_ids,
-            sampling_params,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            rid=rid,
-            namespace=namespace,
-        )
-        pendings = self._submit_all(reqs)
+        reqs, single = self._build(prompt, sampling_params, request)
+        pendings = self._submit(reqs)
         if threading.current_thread() is threading.main_thread():
             self._drive(pendings)
         for p in pendings:
@@ -121,30 +117,14 @@ class Engine(EngineThread):
         self,
         prompt: str | None = None,
         sampling_params: SamplingArg = None,
-        *,
-        input_ids: list[int] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-        rid: str | None = None,
-        namespace: str = "",
+        **request: Unpack[RequestArgs],
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Awaitable generation of one prompt (a list of n dicts if n > 1). Like `generate`, not
         from a loop on the engine's own thread."""
         self._check_not_stepping("async_generate")
         outputs = [
             o
-            async for o in self.generate_stream(
-                prompt,
-                sampling_params,
-                input_ids=input_ids,
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-                rid=rid,
-                namespace=namespace,
-                final_only=True,
-            )
+            async for o in self.generate_stream(prompt, sampling_params, final_only=True, **request)
         ]
         outputs.sort(key=lambda o: o["meta_info"]["index"])
         return outputs[0] if len(outputs) == 1 else outputs
@@ -154,28 +134,14 @@ class Engine(EngineThread):
         prompt: str | None = None,
         sampling_params: SamplingArg = None,
         *,
-        input_ids: list[int] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-        rid: str | None = None,
-        namespace: str = "",
         final_only: bool = False,
+        **request: Unpack[RequestArgs],
     ) -> AsyncIterator[dict[str, Any]]:
         """Yields chunks {text (cumulative), output_ids, meta_info, index}; the last chunk of each
         sample has meta_info.finish_reason set. Cancelling the iterator aborts the request.
         Like `generate`, not from a loop on the engine's own thread."""
         self._check_not_stepping("generate_stream")
-        reqs, _ = self._build(
-            prompt,
-            input_ids,
-            sampling_params,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            rid=rid,
-            namespace=namespace,
-        )
+        reqs, _ = self._build(prompt, sampling_params, request)
         if len(reqs) != 1:
             raise ValueError("generate_stream takes one prompt")
         loop = asyncio.get_running_loop()
@@ -185,7 +151,7 @@ class Engine(EngineThread):
             # NOTE: raises RuntimeError once the caller's loop is closed; _dispatch then aborts.
             loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
-        pending = self._submit(reqs[0], on_update, final_only)
+        [pending] = self._submit(reqs, on_update, final_only)
         try:
             while True:
                 chunk = await queue.get()
@@ -224,51 +190,19 @@ class Engine(EngineThread):
     def _build(
         self,
         prompt: str | list[str] | None,
-        input_ids: list[int] | list[list[int]] | None,
         sampling_params: SamplingArg | list[SamplingArg],
-        *,
-        return_logprob: bool,
-        logprob_start_len: int,
-        top_logprobs_num: int,
-        rid: str | list[str] | None,
-        namespace: str,
+        request: RequestArgs,
     ) -> tuple[list[GenerateRequest], bool]:
         """The requests of a call (one per prompt) through the intake the server uses too, and
         whether the call gave a single prompt."""
-        if (prompt is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompt and input_ids", "prompt")
         intake = self.intake
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            prompts: list[object] = [prompt] if isinstance(prompt, str) else list(prompt)
-            names = ["prompt"] if single else [f"prompt[{i}]" for i in range(len(prompts))]
-            ids_list = intake.encode_many(prompts, names)
-        else:
-            assert input_ids is not None
-            single = not input_ids or not isinstance(input_ids[0], list)
-            batch: list[Any] = [input_ids] if single else list(input_ids)
-            ids_list = [
-                intake.check_ids(list(x), "input_ids" if single else f"input_ids[{i}]")
-                for i, x in enumerate(batch)
-            ]
-        if not ids_list:
-            raise RequestError("prompt batch is empty", "prompt")
+        ids_list, single = intake.prompts(prompt, request.get("input_ids"), text_param="prompt")
         count = len(ids_list)
-        params_list = (
-            list(sampling_params)
-            if isinstance(sampling_params, list)
-            else [sampling_params] * count
-        )
-        if len(params_list) != count:
-            raise RequestError(
-                f"sampling_params has {len(params_list)} entries for {count} prompts",
-                "sampling_params",
-            )
-        rids = [None] * count if rid is None else [rid] if isinstance(rid, str) else list(rid)
-        if len(rids) != count:
-            raise RequestError(f"rid has {len(rids)} entries for {count} prompts", "rid")
+        params_list = per_prompt(sampling_params, count, single, "sampling_params", list_of=dict)
+        rids = per_prompt(request.get("rid"), count, single, "rid", list_of=str, broadcast=False)
+        start = request.get("logprob_start_len", -1) if request.get("return_logprob") else None
         reqs = []
-        for ids, params, r in zip(ids_list, params_list, rids, strict=True):
+        for ids, params, rid in zip(ids_list, params_list, rids, strict=True):
             if isinstance(params, SamplingParams):
                 sp, explicit = params, False
             else:
@@ -283,10 +217,10 @@ class Engine(EngineThread):
                     ids,
                     sp,
                     max_tokens_explicit=explicit,
-                    logprob_start_len=logprob_start_len if return_logprob else None,
-                    top_logprobs_num=top_logprobs_num,
-                    rid=r,
-                    namespace=namespace,
+                    logprob_start_len=start,
+                    top_logprobs_num=request.get("top_logprobs_num", 0),
+                    rid=rid,
+                    namespace=request.get("namespace", ""),
                     prompt_param="input_ids" if prompt is None else "prompt",
                 )
             )

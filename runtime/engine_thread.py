@@ -104,17 +104,14 @@ class EngineThread:
 
     def _submit(
         self,
-        req: GenerateRequest,
+        reqs: list[GenerateRequest],
         on_update: Callable[[dict[str, Any] | None], None] | None = None,
         final_only: bool = False,
-    ) -> _Pending:
-        pending = _Pending(n=req.params.n, on_update=on_update, final_only=final_only)
-        self._post(_Submit(to_sched.Generate([req]), [pending]))
-        return pending
-
-    def _submit_all(self, reqs: list[GenerateRequest]) -> list[_Pending]:
+    ) -> list[_Pending]:
         """One message for the whole batch, so the scheduler sees it at once."""
-        pendings = [_Pending(n=req.params.n) for req in reqs]
+        pendings = [
+            _Pending(req.params.n, on_update=on_update, final_only=final_only) for req in reqs
+        ]
         self._post(_Submit(to_sched.Generate(reqs), pendings))
         return pendings
 

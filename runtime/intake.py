@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -27,8 +28,6 @@ from weft.runtime.sampling_params import (
     SamplingParams,
 )
 from weft.runtime.tokenizer import encode_prompt
-
-__all__ = ["Bounds", "Intake", "RequestError", "check_rid"]
 
 MAX_RID_CHARS = 256
 INLINE_TOKENIZE_CHARS = 16 * 1024  # longer texts are tokenized off the event loop
@@ -77,6 +76,26 @@ class Intake:
         self._token_chars: int | None = None
 
     # ---- prompts ------------------------------------------------------------------------------
+
+    def prompts(
+        self, text: object, ids: object, *, text_param: str = "text"
+    ) -> tuple[list[list[int]], bool]:
+        """A request's prompts as ids, and whether it gave one prompt (not a batch): exactly one
+        of `text` (a string or a list of them) and `ids` (token ids or a list of them)."""
+        if (text is None) == (ids is None):
+            raise RequestError(f"give exactly one of {text_param} and input_ids", text_param)
+        if isinstance(text, str):
+            return [self.encode(text, text_param)], True
+        if text is not None:
+            if not isinstance(text, list) or not text or not all(isinstance(t, str) for t in text):
+                raise RequestError(
+                    f"{text_param} must be a non-empty string or a non-empty list of strings",
+                    text_param,
+                )
+            return self.encode_many(text, [f"{text_param}[{i}]" for i in range(len(text))]), False
+        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+            return [self.check_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)], False
+        return [self.check_ids(ids, "input_ids")], True
 
     def encode(self, text: object, param: str, *, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's ids. Special-token strings in it (a rendered chat template) become
@@ -230,3 +249,18 @@ def _encode_and_trim(
 def _malloc_trim() -> None:
     with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def per_prompt(
+    value: Any, count: int, single: bool, name: str, list_of: type, broadcast: bool = True
+) -> list[Any]:
+    """A per-prompt list for a batch, or one value for every prompt."""
+    if isinstance(value, list) and not single:
+        if len(value) != count:
+            raise RequestError(f"{name} has {len(value)} entries for {count} prompts", name)
+        return value
+    if value is not None and not broadcast and not single:
+        raise RequestError(f"{name} must be a list with one entry per prompt", name)
+    if isinstance(value, list):
+        raise RequestError(f"{name} must be a single {list_of.__name__} for a single prompt", name)
+    return [value] * count

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from weft.grammars.spec import parse_off_loop
+from weft.runtime.intake import per_prompt
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.results import sample_result
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
@@ -85,13 +86,13 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
         value = getattr(obj, name)
         if value not in (None, False, [], {}):
             raise not_supported(name, name)
-    ids_list, single = _prompt_ids(obj, tm)
+    ids_list, single = tm.intake.prompts(obj.text, obj.input_ids)
     count = len(ids_list)
-    params = _per_prompt(obj.sampling_params, count, single, "sampling_params", list_of=dict)
-    rids = _per_prompt(obj.rid, count, single, "rid", list_of=str, broadcast=False)
-    want = _per_prompt(obj.return_logprob, count, single, "return_logprob", list_of=bool)
-    starts = _per_prompt(obj.logprob_start_len, count, single, "logprob_start_len", list_of=int)
-    tops = _per_prompt(obj.top_logprobs_num, count, single, "top_logprobs_num", list_of=int)
+    params = per_prompt(obj.sampling_params, count, single, "sampling_params", list_of=dict)
+    rids = per_prompt(obj.rid, count, single, "rid", list_of=str, broadcast=False)
+    want = per_prompt(obj.return_logprob, count, single, "return_logprob", list_of=bool)
+    starts = per_prompt(obj.logprob_start_len, count, single, "logprob_start_len", list_of=int)
+    tops = per_prompt(obj.top_logprobs_num, count, single, "top_logprobs_num", list_of=int)
     reqs = []
     constraint_params = {}
     for i, ids in enumerate(ids_list):
@@ -126,37 +127,6 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
     return _Parsed(
         reqs, single, bool(obj.stream), bool(obj.return_text_in_logprobs), constraint_params
     )
-
-
-def _prompt_ids(obj: GenerateReqInput, tm: TokenizerManager) -> tuple[list[list[int]], bool]:
-    if (obj.text is None) == (obj.input_ids is None):
-        raise bad_request("give exactly one of text and input_ids", "text")
-    if obj.text is not None:
-        if isinstance(obj.text, str):
-            return [tm.tokenize(obj.text, "text")], True
-        if isinstance(obj.text, list) and obj.text and all(isinstance(t, str) for t in obj.text):
-            names = [f"text[{i}]" for i in range(len(obj.text))]
-            return tm.intake.encode_many(obj.text, names), False
-        raise bad_request("text must be a non-empty string or a non-empty list of strings", "text")
-    ids = obj.input_ids
-    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
-        return [tm.intake.check_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)], False
-    return [tm.intake.check_ids(ids, "input_ids")], True
-
-
-def _per_prompt(
-    value: Any, count: int, single: bool, name: str, list_of: type, broadcast: bool = True
-) -> list[Any]:
-    """A per-prompt list for a batch, or one value for every prompt."""
-    if isinstance(value, list) and not single:
-        if len(value) != count:
-            raise bad_request(f"{name} has {len(value)} entries for {count} prompts", name)
-        return value
-    if value is not None and not broadcast and not single:
-        raise bad_request(f"{name} must be a list with one entry per prompt", name)
-    if isinstance(value, list):
-        raise bad_request(f"{name} must be a single {list_of.__name__} for a single prompt", name)
-    return [value] * count
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from weft.runtime.server.openai_protocol import (
     _SamplingFields,
 )
 from weft.runtime.server.responses import client_gone, json_response
-from weft.runtime.server.sglang_params import check_constraint, check_stop
+from weft.runtime.server.sglang_params import check_constraint
 from weft.runtime.server.tokenizer_manager import TokenizerManager
 from weft.runtime.server.tool_calls import (
     TOOL_NAME,
@@ -52,9 +52,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _EXTENSION_CONSTRAINTS = ("regex", "json_schema", "ebnf")  # SGLang's fields, same as native
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
-# OpenAI field -> weft SamplingParams field (ALIASES), copied when not null; max_tokens, stop and
-# the constraints are read by hand
-_BY_HAND = frozenset({"max_tokens", "max_completion_tokens", "stop", *CONSTRAINT_FIELDS})
+# OpenAI field -> weft SamplingParams field (ALIASES), copied when not null; max_tokens and the
+# constraints are read by hand
+_BY_HAND = frozenset({"max_tokens", "max_completion_tokens", *CONSTRAINT_FIELDS})
 _SAMPLING_FIELDS = {
     name: ALIASES.get(name, name)
     for name in _SamplingFields.__struct_fields__
@@ -153,8 +153,6 @@ def _sampling(
         value = getattr(req, src)
         if value is not None:
             values[dst] = value
-    if req.stop is not None:
-        values["stop"] = check_stop(req.stop, "stop")
     if constraint is not None:
         values[constraint[0]] = constraint[1]
     explicit = max_tokens is not None

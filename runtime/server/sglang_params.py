@@ -18,8 +18,6 @@ from typing import Any
 from weft.grammars.spec import MAX_SPEC_CHARS, InvalidSpec, parse_spec
 from weft.runtime.sampling_params import (
     CONSTRAINT_FIELDS,
-    MAX_STOP_LEN,
-    MAX_STOP_STRINGS,
     SAMPLING_FIELDS,
     SGLANG_EXTRAS,
     RequestError,
@@ -73,7 +71,6 @@ def parse_sampling_params(
         if key not in SAMPLING_FIELDS:
             raise bad_request(f"unknown sampling parameter {key!r}", f"{where}.{key}")
         kwargs[key] = value
-    _check_lists(kwargs, where)
     explicit = "max_new_tokens" in kwargs
     cap = limits.max_new_tokens
     if not explicit and cap is not None:
@@ -113,28 +110,3 @@ def check_constraint(
     except InvalidSpec as exc:
         raise bad_request(f"invalid {param}: {exc}", param) from None
     return text
-
-
-def _check_lists(kwargs: dict[str, Any], where: str) -> None:
-    stop = kwargs.get("stop")
-    if stop is not None:
-        kwargs["stop"] = check_stop(stop, f"{where}.stop")
-    ids = kwargs.get("stop_token_ids")
-    if ids is not None and not isinstance(ids, list):
-        raise bad_request(
-            f"{where}.stop_token_ids must be a list of token ids", f"{where}.stop_token_ids"
-        )
-
-
-def check_stop(stop: Any, param: str) -> list[str]:
-    """A stop string or a list of them: non-empty strings, a bounded number."""
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad_request(f"{param} must be a string or a list of strings", param)
-    if any(s == "" for s in stops):
-        raise bad_request(f"{param} must not contain empty strings", param)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"{param} has {len(stops)} entries; at most {MAX_STOP_STRINGS}", param)
-    if any(len(s) > MAX_STOP_LEN for s in stops):
-        raise bad_request(f"{param} entries must be at most {MAX_STOP_LEN} characters", param)
-    return list(stops)
