@@ -30,9 +30,8 @@ from weft.runtime.sampling_params import SamplingParams
 
 # NOTE: the scheduler names the requests it makes for an n > 1 request (its samples, the shared
 # prompt) by joining the caller's rid with this separator; a caller's rid may hold no control
-# character (`weft.runtime.intake.check_rid`), so no caller can name, and abort or collide with, another's sample.
+# character (`intake.check_rid`), so no caller can name, abort or collide with another's sample.
 RID_SEP = "\x1f"
-MAX_RID_CHARS = 256
 
 
 def child_rid(rid: str, part: int | str) -> str:

@@ -132,10 +132,11 @@ class Intake:
         room = self.bounds.prompt_room
         if len(text) > room and len(text) > room * (chars := self.token_chars):
             limited = self.bounds.max_prompt_tokens is not None
+            flag = ", --max-prompt-tokens" if limited else ""
             raise RequestError(
                 f"{param} is too long: {len(text)} characters can only make more than {room} "
-                f"tokens (the most a prompt may have here{', --max-prompt-tokens' if limited else ''}"
-                f"), since no token of this model is longer than {chars} characters",
+                f"tokens (the most a prompt may have here{flag}), since no token of this model "
+                f"is longer than {chars} characters",
                 param,
                 code="prompt_too_long" if limited else "context_length_exceeded",
             )

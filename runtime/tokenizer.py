@@ -1,4 +1,4 @@
-"""Tokenizer loading (transformers only) and prompt encoding, the same for the Engine and the server."""
+"""Tokenizer loading (transformers only) and prompt encoding (the same for Engine and server)."""
 
 from __future__ import annotations
 
