@@ -168,9 +168,10 @@ def _result_or_raised(work: Callable[[], Any]) -> Any:
         return _Raised(exc)
 
 
-# NOTE: meta-validating a JSON schema takes milliseconds, and a request's spec is parsed two or
-# three times (API, SamplingParams.validate, the scheduler) while clients repeat the same few
-# schemas: cache the results (failures raise and are not cached).
+# NOTE: meta-validating a JSON schema takes milliseconds, and clients repeat the same few schemas:
+# cache the results (failures raise and are not cached). A request's spec is parsed once, by
+# SamplingParams.validate into `SamplingParams.grammar`, which travels to the scheduler; an API's
+# earlier check of the field (to name it the API's way) is a hit here.
 @functools.lru_cache(maxsize=256)
 def _parse_spec(field: str, text: str, validated: bool = False) -> GrammarSpec:
     if not text.strip():

@@ -25,29 +25,18 @@ from typing import Any
 import torch
 
 from weft.runtime.messages.common import GrammarReport
+from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.sampling_params import SamplingParams
 
 # NOTE: the scheduler names the requests it makes for an n > 1 request (its samples, the shared
 # prompt) by joining the caller's rid with this separator; a caller's rid may hold no control
-# character (`check_rid`), so no caller can name, and abort or collide with, another's sample.
+# character (`intake.check_rid`), so no caller can name, abort or collide with another's sample.
 RID_SEP = "\x1f"
-MAX_RID_CHARS = 256
 
 
 def child_rid(rid: str, part: int | str) -> str:
     """The rid of sample `part` (or of the shared "prompt") of an n > 1 request."""
     return f"{rid}{RID_SEP}{part}"
-
-
-def check_rid(rid: object) -> str:
-    """A caller's rid: a non-empty string of printable characters (ValueError naming rid)."""
-    if not isinstance(rid, str) or not rid:
-        raise ValueError("rid must be a non-empty string")
-    if len(rid) > MAX_RID_CHARS:
-        raise ValueError(f"rid is too long: {len(rid)} characters, at most {MAX_RID_CHARS}")
-    if not rid.isprintable():
-        raise ValueError("rid must hold printable characters only (no control characters)")
-    return rid
 
 
 @dataclass
@@ -117,6 +106,21 @@ class Req:
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    @classmethod
+    def from_message(cls, msg: GenerateRequest) -> Req:
+        """A request as the front doors send it (`weft.runtime.intake`): the scheduler process
+        and the in-process Engine take it the same way."""
+        logprob = None
+        if msg.logprob_start_len is not None:
+            logprob = LogprobRequest(start_len=msg.logprob_start_len, top_k=msg.top_logprobs_num)
+        return cls(
+            rid=msg.rid,
+            input_ids=msg.input_ids,
+            params=msg.params,
+            logprob=logprob,
+            namespace=msg.namespace,
+        )
 
     def grammar_report(self) -> GrammarReport | None:
         """What meta_info reports of constrained decoding (None: no grammar, or not compiled)."""

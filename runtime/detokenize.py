@@ -73,3 +73,35 @@ class IncrementalDecoder:
         self._prefix_offset = self._read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+class TokenTexts:
+    """The text a token adds after other text (logprob entries name tokens by it), cached.
+
+    NOTE: decoding a lone token drops a SentencePiece token's leading space ("▁upon" ->
+    "upon"); decoding it after an anchor token and cutting the anchor's text keeps it.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._anchor: int | None = None
+
+    def __call__(self, tid: int) -> str:
+        text = self._texts.get(tid)
+        if text is None:
+            text = self._text(tid) if self.tokenizer is not None else ""
+            self._texts[tid] = text
+        return text
+
+    def _text(self, tid: int) -> str:
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+        if self._anchor is None:
+            ids = tokenizer.encode("a", add_special_tokens=False)
+            self._anchor = int(ids[-1]) if ids else 0
+        anchor_text = str(tokenizer.decode([self._anchor]))
+        both = str(tokenizer.decode([self._anchor, tid]))
+        if both.startswith(anchor_text):
+            return both[len(anchor_text) :]
+        return str(tokenizer.decode([tid]))

@@ -13,6 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import assert_never
 
 import zmq
 from transformers import PreTrainedTokenizerBase
@@ -21,7 +22,7 @@ from weft.runtime.detokenize import IncrementalDecoder
 from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, setup_child
 from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as from_sched
-from weft.runtime.messages.common import Fatal
+from weft.runtime.messages.common import Fatal, Ready, Reply
 from weft.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("weft")
@@ -40,6 +41,16 @@ class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self.samples: dict[str, _Sample] = {}
+
+    def handle(self, msg: from_sched.ToDetokenizer) -> to_tm.ToTokenizer:
+        """A step becomes text; control messages go on to the tokenizer manager unchanged."""
+        match msg:
+            case from_sched.Step():
+                return self.step(msg)
+            case Ready() | Reply() | Fatal():
+                return msg
+            case _:
+                assert_never(msg)
 
     def step(self, step: from_sched.Step) -> to_tm.TextStep:
         for s in step.starts:
@@ -114,9 +125,7 @@ def run_detokenizer_process(
                     logger.info("detokenizer: the server process is gone; exiting")
                     break
                 continue
-            msg = from_sched.decoder.decode(inbox.recv())
-            out = detok.step(msg) if isinstance(msg, from_sched.Step) else msg
-            outbox.send(to_tm.encoder.encode(out))
+            outbox.send(to_tm.encoder.encode(detok.handle(from_sched.decoder.decode(inbox.recv()))))
             if watch.due() and not watch.parent_alive():
                 break
     except Exception as exc:  # reported to the server, then the process exits

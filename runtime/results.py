@@ -1,8 +1,8 @@
 """A sample's result in SGLang's shape: text, output_ids and meta_info.
 
-NOTE: `meta_info` is the one builder of meta_info for both paths: the in-process Engine reads the
-values off its `Req` (`request_output`), the server off what the scheduler reported through the
-detokenizer (`TokenUpdate` -> `TextUpdate` -> the tokenizer manager's `Sample`). A value the
+NOTE: `sample_result` is the one builder of results for both paths: the in-process Engine reads
+the values off its `Req` (`request_output`), the server off what the scheduler reported through
+the detokenizer (`TokenUpdate` -> `TextUpdate` -> the tokenizer manager's `Sample`). A value the
 scheduler knows reaches the server only if those messages carry it.
 
 | key                   | value                                                                |
@@ -32,20 +32,23 @@ tokenized), the server from its submission to the scheduler (likewise after toke
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from weft.runtime.core import Req
 from weft.runtime.messages.common import GrammarReport, LogprobEntry
+
+if TYPE_CHECKING:  # NOTE: the HTTP process imports this module: no torch (weft.runtime.core)
+    from weft.runtime.core import Req
 
 TokenText = Callable[[int], str | None]
 
 
-def meta_info(
+def sample_result(
     rid: str,
     index: int,
     *,
+    text: str,
+    output_ids: Sequence[int],
     prompt_tokens: int,
-    completion_tokens: int,
     cached_tokens: int,
     finish_reason: dict[str, Any] | None,
     e2e_latency: float | None,
@@ -53,13 +56,13 @@ def meta_info(
     logprobs: tuple[Sequence[LogprobEntry], Sequence[LogprobEntry]] | None,
     token_text: TokenText | None = None,
 ) -> dict[str, Any]:
-    """A sample's meta_info (see the module docstring). logprobs: (output, input) entries, None
-    when the request asked for none."""
+    """A sample's {text, output_ids, meta_info} (see the module docstring). logprobs: (output,
+    input) entries, None when the request asked for none."""
     meta: dict[str, Any] = {
         "id": rid,
         "index": index,
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
+        "completion_tokens": len(output_ids),
         "cached_tokens": cached_tokens,
         "finish_reason": finish_reason,
         "e2e_latency": e2e_latency,
@@ -68,30 +71,32 @@ def meta_info(
         meta["grammar_backend"] = grammar.backend
         meta["jump_forward_tokens"] = grammar.jump_forward_tokens
     if logprobs is not None:
-        text = token_text or _no_text
+        name = token_text or _no_text
         outputs, inputs = logprobs
-        meta["output_token_logprobs"] = [(e[0], e[1], text(e[1])) for e in outputs]
-        meta["output_top_logprobs"] = [_top(e, text) for e in outputs]
-        meta["input_token_logprobs"] = [(e[0], e[1], text(e[1])) for e in inputs]
-        meta["input_top_logprobs"] = [_top(e, text) for e in inputs]
-    return meta
+        meta["output_token_logprobs"] = [(e[0], e[1], name(e[1])) for e in outputs]
+        meta["output_top_logprobs"] = [_top(e, name) for e in outputs]
+        meta["input_token_logprobs"] = [(e[0], e[1], name(e[1])) for e in inputs]
+        meta["input_top_logprobs"] = [_top(e, name) for e in inputs]
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 
 
-def request_output(req: Req, rid: str) -> dict[str, Any]:
-    """The in-process Engine's result of one sample (`rid`: the one its caller knows)."""
-    meta = meta_info(
+def request_output(req: Req, rid: str, text: str | None = None) -> dict[str, Any]:
+    """The in-process Engine's result of one sample (`rid`: the one its caller knows; `text`:
+    instead of the decoder's, e.g. without a held-back stop-string prefix)."""
+    if text is None:
+        text = req.decoder.text if req.decoder is not None else ""
+    return sample_result(
         rid,
         req.index,
+        text=text,
+        output_ids=req.output_ids,
         prompt_tokens=len(req.input_ids),
-        completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
         finish_reason=req.finish.to_dict() if req.finish else None,
         e2e_latency=req.finished_at - req.created if req.finished_at is not None else None,
         grammar=req.grammar_report(),
         logprobs=None if req.logprob is None else (req.output_logprobs, req.input_logprobs),
     )
-    text = req.decoder.text if req.decoder is not None else ""
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 
 def _top(entry: LogprobEntry, text: TokenText) -> list[tuple[float, int, str | None]] | None:

@@ -12,13 +12,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 import torch
 import zmq
 
-from weft.runtime.core import LogprobRequest, Req, child_rid
+from weft.runtime.core import Req, child_rid
 from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, setup_child
+from weft.runtime.loaders.end_tokens import end_token_ids
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as to_detok
@@ -27,7 +28,7 @@ from weft.runtime.messages.common import Fatal, Heartbeat, ModelInfo, Ready, Rep
 from weft.runtime.model_runner import ModelRunner
 from weft.runtime.scheduler import Scheduler
 from weft.runtime.server_config import ServerConfig
-from weft.runtime.tokenizer import end_token_ids, load_tokenizer
+from weft.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("weft")
 
@@ -113,31 +114,25 @@ class SchedulerService:
                 return
 
     def handle(self, msg: from_tm.ToScheduler) -> Reply | None:
-        if isinstance(msg, from_tm.Generate):
-            for r in msg.reqs:
-                self._add(r)
-        elif isinstance(msg, from_tm.Abort):
-            for rid in msg.rids:
-                self.num_aborted += int(self.scheduler.abort(rid))
-        elif isinstance(msg, from_tm.GetServerInfo):
-            return Reply(msg.query_id, self.server_info())
-        elif isinstance(msg, from_tm.FlushCache):
-            return Reply(msg.query_id, {"flushed": self.scheduler.flush_cache()})
-        elif isinstance(msg, from_tm.GetMetrics):
-            return Reply(msg.query_id, self.metrics())
+        match msg:
+            case from_tm.Generate(reqs=reqs):
+                for r in reqs:
+                    self._add(r)
+            case from_tm.Abort(rids=rids):
+                for rid in rids:
+                    self.num_aborted += int(self.scheduler.abort(rid))
+            case from_tm.GetServerInfo(query_id=qid):
+                return Reply(qid, self.server_info())
+            case from_tm.FlushCache(query_id=qid):
+                return Reply(qid, {"flushed": self.scheduler.flush_cache()})
+            case from_tm.GetMetrics(query_id=qid):
+                return Reply(qid, self.metrics())
+            case _:
+                assert_never(msg)
         return None
 
     def _add(self, r: from_tm.GenerateRequest) -> None:
-        logprob = None
-        if r.logprob_start_len is not None:
-            logprob = LogprobRequest(start_len=r.logprob_start_len, top_k=r.top_logprobs_num)
-        req = Req(
-            rid=r.rid,
-            input_ids=r.input_ids,
-            params=r.params,
-            logprob=logprob,
-            namespace=r.namespace,
-        )
+        req = Req.from_message(r)  # as the in-process Engine takes it
         if not r.params.stop:
             req.decoder = _NO_TEXT
         self.num_requests += 1

@@ -1,31 +1,10 @@
-"""Tokenizer loading (transformers only) and the model's end-of-generation tokens."""
+"""Tokenizer loading (transformers only) and prompt encoding (the same for Engine and server)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from weft.runtime.model_config import ModelConfig
-
-# Special tokens that end a turn or a document in the model families we serve (a GGUF names
-# one eos id; its conversion adds the control tokens with these texts).
-END_TOKEN_TEXTS = frozenset(
-    {
-        "</s>",
-        "<|endoftext|>",
-        "<|im_end|>",
-        "<|eot_id|>",
-        "<|end_of_text|>",
-        "<|eom_id|>",
-        "<|end|>",
-        "<end_of_turn>",
-        "<EOT>",
-        "<|return|>",
-    }
-)
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -55,27 +34,3 @@ def encode_prompt(
     if text.startswith(bos_text) and ids[1:] == tokenizer.encode(text, add_special_tokens=False):
         del ids[0]
     return ids
-
-
-def end_token_ids(
-    tokenizer: PreTrainedTokenizerBase | None, model: ModelConfig, folder: Path
-) -> frozenset[int]:
-    """Every id that ends generation: config.json, generation_config.json, the tokenizer's eos,
-    and the tokenizer's end specials such as <|im_end|> and <|endoftext|>."""
-    ids: set[int] = set(model.eos_token_ids)
-    gen_cfg = folder / "generation_config.json"
-    if gen_cfg.is_file():
-        ids.update(_ids(json.loads(gen_cfg.read_text()).get("eos_token_id")))
-    if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            ids.add(int(tokenizer.eos_token_id))
-        for tid, added in tokenizer.added_tokens_decoder.items():
-            if added.special and added.content in END_TOKEN_TEXTS:
-                ids.add(int(tid))
-    return frozenset(i for i in ids if 0 <= i < model.vocab_size)
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(value)] if isinstance(value, int) else [int(v) for v in value]

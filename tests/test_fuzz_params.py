@@ -15,7 +15,8 @@ from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.sampling_params import MAX_N, MAX_SEED, SamplingParams
 
 VOCAB = 512  # stories260K's: the server validates with the model's vocabulary
-FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+# (grammar: the constraint as validate parses it, not a caller's field)
+FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.name != "grammar"]
 CONSTRAINTS = {
     "regex": "[a-z]{1,8}",
     "json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}),

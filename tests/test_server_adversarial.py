@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from weft.grammars.spec import off_loop, parse_off_loop
-from weft.runtime.server.tokenizer_manager import (
+from weft.runtime.server.liveness import (
     HEARTBEAT_TIMEOUT_S,
     STALL_HEALTH_S,
     scheduler_liveness,

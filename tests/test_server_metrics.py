@@ -16,7 +16,7 @@ from weft.runtime.histogram import BucketCounts
 from weft.runtime.server.errors import ApiError, error_kind
 from weft.runtime.server.metrics import ServerMetrics
 from weft.runtime.server.request_log import RequestLog, request_record
-from weft.runtime.server.tokenizer_manager import ReqState, Sample
+from weft.runtime.server.request_state import ReqState, Sample
 from weft.runtime.server_config import ServerConfig
 
 from server_utils import ServerProcess, schedule_args, stories_args

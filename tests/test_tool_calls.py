@@ -16,30 +16,27 @@ import pytest
 from weft.grammars.spec import parse_spec
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError
-from weft.runtime.server.openai_api import (
-    _chat_job,
-    _constraint,
-    _Cursor,
-    _Job,
-    response_format_constraint,
-)
+from weft.runtime.server.openai_api import _chat_job, _constraint, response_format_constraint
+from weft.runtime.server.openai_jobs import ChatJob, Cursor
 from weft.runtime.server.openai_protocol import ChatCompletionRequest
+from weft.runtime.server.request_state import ReqState, Sample
 from weft.runtime.server.sglang_params import parse_sampling_params
-from weft.runtime.server.tokenizer_manager import ReqState, Sample
 from weft.runtime.server.tool_calls import (
-    LLAMA3_JSON,
-    QWEN25,
-    ToolCall,
-    ToolCallParser,
     ToolChoice,
     check_tool_choice,
     check_tools,
     closed_schema,
-    detect_format,
-    parse_tool_calls,
     plan_tools,
     strict_schema,
     structural_tag,
+)
+from weft.runtime.server.tool_parser import (
+    LLAMA3_JSON,
+    QWEN25,
+    ToolCall,
+    ToolCallParser,
+    detect_format,
+    parse_tool_calls,
 )
 from weft.runtime.server_config import ServerConfig
 
@@ -455,10 +452,10 @@ def test_streaming_holds_back_only_what_may_start_a_call():
 # ---- the stream chunks of a chat job -------------------------------------------------------
 
 
-def _job(plan) -> tuple[_Job, Sample]:
+def _job(plan) -> tuple[ChatJob, Sample]:
     sample = Sample()
     state = ReqState(rid="r", prompt_tokens=3, samples=[sample], listener=None)  # type: ignore[arg-type]
-    return _Job(None, "m", "chat", [state], None, tools=plan), sample  # type: ignore[arg-type]
+    return ChatJob(None, "m", [state], None, tools=plan), sample  # type: ignore[arg-type]
 
 
 def test_stream_chunks_carry_the_same_calls_as_the_response():
@@ -467,7 +464,7 @@ def test_stream_chunks_carry_the_same_calls_as_the_response():
     rng = random.Random(7)
     for _ in range(20):
         job, sample = _job(plan)
-        cur = _Cursor(parser=plan.parser())
+        cur = Cursor(parser=plan.parser())
         choices = []
         at = 0
         while at < len(text):
@@ -513,10 +510,10 @@ def test_no_tool_calls_finish_on_length_or_without_calls():
     assert choice["message"] == {"role": "assistant", "content": "No tools needed."}
 
 
-def _streamed(job: _Job, sample: Sample, text: str, finish: dict[str, Any], step: int) -> Any:
+def _streamed(job: ChatJob, sample: Sample, text: str, finish: dict[str, Any], step: int) -> Any:
     """(content, [(name, arguments)], finish_reason) of a chat job's chunks, `step` characters
     of `text` at a time."""
-    cur = _Cursor(parser=job.tools.parser() if job.tools is not None else None)
+    cur = Cursor(parser=job.tools.parser() if job.tools is not None else None)
     choices = []
     for at in range(0, len(text), step):
         sample.text = text[: at + step]
@@ -783,7 +780,7 @@ def qwen_tokenizer():
     return AutoTokenizer.from_pretrained(str(fixture_path("tokenizers", "qwen2")))
 
 
-def run_chat(tokenizer: Any, tmpl: str, **fields: Any) -> tuple[str, Any, _Job]:
+def run_chat(tokenizer: Any, tmpl: str, **fields: Any) -> tuple[str, Any, ChatJob]:
     tm = FakeTM(tokenizer)
     job = _chat_job(chat_request(**fields), tm, ChatRenderer(tokenizer, tmpl))  # type: ignore[arg-type]
     built = tm.built[-1]

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from weft.runtime.tokenizer import END_TOKEN_TEXTS
+from weft.runtime.loaders.end_tokens import END_TOKEN_TEXTS
 
 logger = logging.getLogger("weft")
 

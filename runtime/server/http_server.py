@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
-from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.sampling_params import RequestError, SamplingParams
 from weft.runtime.server import native_api, openai_api, openapi
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError, decode_body, error_kind
@@ -24,8 +24,8 @@ from weft.runtime.server.middleware import (
     load_api_keys,
     require_admin,
 )
-from weft.runtime.server.native_api import json_response
 from weft.runtime.server.openai_protocol import RenderChatRequest
+from weft.runtime.server.responses import json_response
 from weft.runtime.server.tokenizer_manager import TokenizerManager
 from weft.runtime.server.tool_calls import check_tools
 
@@ -65,6 +65,10 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
         count_error(exc.status)
         return json_response(exc.body(), exc.status, exc.headers)
 
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> Response:
+        return await api_error(request, ApiError(exc.message, 400, param=exc.param, code=exc.code))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         count_error(exc.status_code)
@@ -87,7 +91,7 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
         """One token through the whole pipeline (scheduler, detokenizer, back)."""
         tm.check_alive()
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        req = tm.build_request([_probe_token(tm)], params, False)
+        req = tm.build_request([_probe_token(tm)], params, max_tokens_explicit=False)
         states = tm.submit([req], api="health")
         try:
             await asyncio.wait_for(tm.wait(states), HEALTH_GENERATE_TIMEOUT_S)

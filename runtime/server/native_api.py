@@ -21,14 +21,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from weft.grammars.spec import parse_off_loop
+from weft.runtime.intake import per_prompt
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
-from weft.runtime.results import meta_info
+from weft.runtime.results import sample_result
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import is_admin, tenant_of
+from weft.runtime.server.request_state import ReqState, refused, request_error
+from weft.runtime.server.responses import SSE_DONE, client_gone, json_response, sse
 from weft.runtime.server.sglang_params import parse_sampling_params
-from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
-
-SSE_DONE = b"data: [DONE]\n\n"
+from weft.runtime.server.tokenizer_manager import TokenizerManager
 
 
 class GenerateReqInput(msgspec.Struct):
@@ -85,13 +86,13 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
         value = getattr(obj, name)
         if value not in (None, False, [], {}):
             raise not_supported(name, name)
-    ids_list, single = _prompt_ids(obj, tm)
+    ids_list, single = tm.intake.prompts(obj.text, obj.input_ids)
     count = len(ids_list)
-    params = _per_prompt(obj.sampling_params, count, single, "sampling_params", list_of=dict)
-    rids = _per_prompt(obj.rid, count, single, "rid", list_of=str, broadcast=False)
-    want = _per_prompt(obj.return_logprob, count, single, "return_logprob", list_of=bool)
-    starts = _per_prompt(obj.logprob_start_len, count, single, "logprob_start_len", list_of=int)
-    tops = _per_prompt(obj.top_logprobs_num, count, single, "top_logprobs_num", list_of=int)
+    params = per_prompt(obj.sampling_params, count, single, "sampling_params", list_of=dict)
+    rids = per_prompt(obj.rid, count, single, "rid", list_of=str, broadcast=False)
+    want = per_prompt(obj.return_logprob, count, single, "return_logprob", list_of=bool)
+    starts = per_prompt(obj.logprob_start_len, count, single, "logprob_start_len", list_of=int)
+    tops = per_prompt(obj.top_logprobs_num, count, single, "top_logprobs_num", list_of=int)
     reqs = []
     constraint_params = {}
     for i, ids in enumerate(ids_list):
@@ -112,11 +113,11 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
             tm.build_request(
                 ids,
                 sp,
-                explicit,
-                start,
-                0 if tops[i] is None else tops[i],
-                rids[i],
-                param="input_ids" if obj.text is None else "text",
+                max_tokens_explicit=explicit,
+                logprob_start_len=start,
+                top_logprobs_num=0 if tops[i] is None else tops[i],
+                rid=rids[i],
+                prompt_param="input_ids" if obj.text is None else "text",
                 cache_salt=obj.cache_salt,
                 tenant=tenant,
             )
@@ -128,56 +129,7 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
     )
 
 
-def _prompt_ids(obj: GenerateReqInput, tm: TokenizerManager) -> tuple[list[list[int]], bool]:
-    if (obj.text is None) == (obj.input_ids is None):
-        raise bad_request("give exactly one of text and input_ids", "text")
-    if obj.text is not None:
-        if isinstance(obj.text, str):
-            return [tm.tokenize(obj.text, "text")], True
-        if isinstance(obj.text, list) and obj.text and all(isinstance(t, str) for t in obj.text):
-            return tm.tokenize_many(obj.text, [f"text[{i}]" for i in range(len(obj.text))]), False
-        raise bad_request("text must be a non-empty string or a non-empty list of strings", "text")
-    ids = obj.input_ids
-    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
-        return [tm.check_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)], False
-    return [tm.check_ids(ids, "input_ids")], True
-
-
-def _per_prompt(
-    value: Any, count: int, single: bool, name: str, list_of: type, broadcast: bool = True
-) -> list[Any]:
-    """A per-prompt list for a batch, or one value for every prompt."""
-    if isinstance(value, list) and not single:
-        if len(value) != count:
-            raise bad_request(f"{name} has {len(value)} entries for {count} prompts", name)
-        return value
-    if value is not None and not broadcast and not single:
-        raise bad_request(f"{name} must be a list with one entry per prompt", name)
-    if isinstance(value, list):
-        raise bad_request(f"{name} must be a single {list_of.__name__} for a single prompt", name)
-    return [value] * count
-
-
 # ---- responses ------------------------------------------------------------------------------
-
-
-def request_error(state: ReqState, param: str | None = None) -> ApiError | None:
-    """Why a request failed: the server's error, or a finish reason with an error status (the
-    scheduler refused the request, e.g. its grammar does not compile; `param` names the field)."""
-    if state.error is not None:
-        return state.error
-    for sample in state.samples:
-        if refused(sample):
-            reason = sample.finish_reason or {}
-            message = str(reason.get("message") or "the request failed")
-            return ApiError(message, int(reason["status_code"]), param=param)
-    return None
-
-
-def refused(sample: Sample) -> bool:
-    """The sample ended with an error status (it has no output to send)."""
-    status = (sample.finish_reason or {}).get("status_code")
-    return isinstance(status, int) and status >= 400
 
 
 def raise_request_errors(states: list[ReqState], params: dict[str, str]) -> None:
@@ -191,11 +143,12 @@ def sample_output(
     tm: TokenizerManager, state: ReqState, i: int, text_in_logprobs: bool
 ) -> dict[str, Any]:
     s = state.samples[i]
-    meta = meta_info(
+    return sample_result(
         state.rid,
         i,
+        text=s.text,
+        output_ids=s.output_ids,
         prompt_tokens=state.prompt_tokens,
-        completion_tokens=len(s.output_ids),
         cached_tokens=s.cached_tokens,
         finish_reason=s.finish_reason,
         e2e_latency=(s.finished_at - state.created) if s.finished_at is not None else None,
@@ -203,25 +156,6 @@ def sample_output(
         logprobs=(s.output_logprobs, s.input_logprobs or []) if state.want_logprobs else None,
         token_text=tm.token_text if text_in_logprobs else None,
     )
-    return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
-
-
-async def client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body is read already: nothing else arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def json_response(
-    content: Any, status: int = 200, headers: dict[str, str] | None = None
-) -> Response:
-    return Response(
-        msgspec.json.encode(content), status, headers=headers, media_type="application/json"
-    )
-
-
-def sse(content: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(content) + b"\n\n"
 
 
 async def _stream(

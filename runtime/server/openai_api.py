@@ -13,10 +13,7 @@ json_schema or function holds the output to a closed schema (no properties beyon
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -24,31 +21,28 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from weft.grammars.spec import JSON_OBJECT_SCHEMA, MAX_SPEC_CHARS, parse_off_loop
-from weft.runtime.messages.common import LogprobEntry
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
-from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.sampling_params import (
+    ALIASES,
+    CONSTRAINT_FIELDS,
+    SAMPLING_FIELDS,
+    RequestError,
+    SamplingParams,
+)
 from weft.runtime.server.chat import ChatRenderer
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import tenant_of
-from weft.runtime.server.native_api import (
-    SSE_DONE,
-    client_gone,
-    json_response,
-    refused,
-    request_error,
-    sse,
-)
+from weft.runtime.server.openai_jobs import ChatJob, CompletionJob, Job
 from weft.runtime.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
 )
-from weft.runtime.server.sglang_params import check_constraint, check_stop
-from weft.runtime.server.tokenizer_manager import ReqState, Sample, TokenizerManager
+from weft.runtime.server.responses import client_gone, json_response
+from weft.runtime.server.sglang_params import check_constraint
+from weft.runtime.server.tokenizer_manager import TokenizerManager
 from weft.runtime.server.tool_calls import (
     TOOL_NAME,
-    ToolCallParser,
-    ToolPlan,
     plan_tools,
     strict_schema,
 )
@@ -58,24 +52,16 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _EXTENSION_CONSTRAINTS = ("regex", "json_schema", "ebnf")  # SGLang's fields, same as native
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
-# OpenAI field -> weft SamplingParams field, copied when not null
+# OpenAI field -> weft SamplingParams field (ALIASES), copied when not null; max_tokens and the
+# constraints are read by hand
+_BY_HAND = frozenset({"max_tokens", "max_completion_tokens", *CONSTRAINT_FIELDS})
 _SAMPLING_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "n": "n",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_new_tokens",
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "spaces_between_special_tokens": "spaces_between_special_tokens",
-    "no_stop_trim": "no_stop_trim",
-    "stop_token_ids": "stop_token_ids",
+    name: ALIASES.get(name, name)
+    for name in _SamplingFields.__struct_fields__
+    if ALIASES.get(name, name) in SAMPLING_FIELDS and name not in _BY_HAND
 }
+# how an error names a SamplingParams field that OpenAI spells otherwise (max_tokens: as sent)
+_OPENAI_NAMES = {field: name for name, field in _SAMPLING_FIELDS.items() if name != field}
 
 
 def _check_model(tm: TokenizerManager, model: str | None) -> str:
@@ -167,8 +153,6 @@ def _sampling(
         value = getattr(req, src)
         if value is not None:
             values[dst] = value
-    if req.stop is not None:
-        values["stop"] = check_stop(req.stop, "stop")
     if constraint is not None:
         values[constraint[0]] = constraint[1]
     explicit = max_tokens is not None
@@ -177,278 +161,16 @@ def _sampling(
         if limits.max_new_tokens is not None:  # a request that asked for nothing is not refused
             max_tokens = min(max_tokens, limits.max_new_tokens)
     values["max_new_tokens"] = max(max_tokens, 0)
+    names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_param}
     try:
         params = SamplingParams(**values)
-        params.validate(tm.info.vocab_size, limits)
-    except (ValueError, TypeError) as exc:
-        message = (
-            str(exc)
-            .replace("max_new_tokens", max_tokens_param)
-            .replace("min_new_tokens", "min_tokens")
+        params.validate(tm.info.vocab_size, limits, names=names)
+    except RequestError as exc:
+        given = (
+            exc.param in _SAMPLING_FIELDS or exc.param in values or exc.param == max_tokens_param
         )
-        param = message.split(" ", 1)[0]
-        raise ApiError(
-            message, 400, param=param if param in values or param == max_tokens_param else None
-        ) from None
+        raise ApiError(exc.message, 400, param=exc.param if given else None) from None
     return params, explicit
-
-
-def _finish_reason(sample: Sample) -> str | None:
-    reason = sample.finish_reason
-    return None if reason is None else str(reason["type"])
-
-
-def _matched_stop(sample: Sample) -> int | str | None:
-    reason = sample.finish_reason or {}
-    return reason.get("matched")
-
-
-def _cut_off(sample: Sample) -> bool:
-    """The output did not end by itself (max_tokens, an abort): a tool call may be cut off."""
-    return _finish_reason(sample) != "stop"
-
-
-def _tool_finish(reason: str | None, called: bool) -> str | None:
-    """A model that stopped after calling tools finished with "tool_calls" (not on "length")."""
-    return "tool_calls" if called and reason == "stop" else reason
-
-
-@dataclass
-class _Cursor:
-    """How much of a sample a stream has sent."""
-
-    chars: int = 0
-    logprobs: int = 0
-    started: bool = False
-    done: bool = False
-    parser: ToolCallParser | None = None  # chat with tools: text goes through it
-    calls: int = 0  # tool calls sent
-
-
-@dataclass
-class _Job:
-    """One OpenAI request in flight: its states (one per prompt) and how to format them."""
-
-    tm: TokenizerManager
-    model: str
-    kind: str  # "chat" | "text"
-    states: list[ReqState]
-    top_logprobs: int | None  # None: no logprobs
-    echo_prompts: list[str] = field(default_factory=list)
-    tools: ToolPlan | None = None  # chat that may call tools: outputs are parsed for calls
-    constraint_param: str | None = None  # the field an output-constraint error names
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def samples(self) -> list[tuple[int, Sample]]:
-        """(choice index, sample) for every choice, in order."""
-        out = []
-        for state in self.states:
-            out.extend(state.samples)
-        return list(enumerate(out))
-
-    def raise_errors(self) -> None:
-        """A finished job whose request failed answers with that error."""
-        for state in self.states:
-            error = request_error(state, self.constraint_param)
-            if error is not None:
-                raise error
-
-    def usage(self) -> dict[str, Any]:
-        prompt = sum(s.prompt_tokens for s in self.states)
-        completion = sum(len(x.output_ids) for s in self.states for x in s.samples)
-        cached = sum(min(x.cached_tokens for x in s.samples) for s in self.states)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    # ---- logprobs -------------------------------------------------------------------------
-
-    def logprobs(self, entries: list[LogprobEntry], text_offset: int = 0) -> Any:
-        if self.top_logprobs is None:
-            return None
-        if self.kind == "chat":
-            return {"content": [self._chat_entry(e) for e in entries]}
-        tokens, token_lps, tops, offsets = [], [], [], []
-        offset = text_offset
-        for lp, tid, top in entries:
-            text = self.tm.token_text(tid)
-            tokens.append(text)
-            token_lps.append(lp)
-            tops.append({self.tm.token_text(t): v for v, t in top} if self.top_logprobs else None)
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    def _chat_entry(self, e: LogprobEntry) -> dict[str, Any]:
-        lp, tid, top = e
-        text = self.tm.token_text(tid)
-        return {
-            "token": text,
-            "logprob": lp,
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [
-                {"token": (t := self.tm.token_text(i)), "logprob": v, "bytes": list(t.encode())}
-                for v, i in top
-            ],
-        }
-
-    # ---- whole responses ------------------------------------------------------------------
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for index, s in self.samples:
-            choice: dict[str, Any] = {"index": index}
-            finish_reason = _finish_reason(s)
-            if self.kind == "chat" and self.tools is not None:
-                content, calls = self.tools.parse(s.text, _cut_off(s))
-                message: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    message["tool_calls"] = [c.to_openai() for c in calls]
-                choice["message"] = message
-                finish_reason = _tool_finish(finish_reason, bool(calls))
-            elif self.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": s.text}
-            else:
-                prompt = (
-                    self.echo_prompts[index // len(self.states[0].samples)]
-                    if self.echo_prompts
-                    else ""
-                )
-                choice["text"] = prompt + s.text
-            choice["logprobs"] = self.logprobs(s.output_logprobs)
-            choice["finish_reason"] = finish_reason
-            choice["matched_stop"] = _matched_stop(s)
-            choices.append(choice)
-        return {
-            "id": ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id,
-            "object": "chat.completion" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(),
-        }
-
-    # ---- streams --------------------------------------------------------------------------
-
-    def _chunk(
-        self, choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False
-    ) -> bytes:
-        body: dict[str, Any] = {
-            "id": ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id,
-            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if with_usage:
-            body["usage"] = usage
-        return sse(body)
-
-    def _stream_choices(self, index: int, s: Sample, cur: _Cursor) -> list[dict[str, Any]]:
-        """The choices (one per chunk) that send what is new in a sample."""
-        text = s.text[cur.chars :]
-        entries = s.output_logprobs[cur.logprobs :]
-        finished = s.finished and not cur.done
-        first = not cur.started and (self.kind == "chat" or bool(self.echo_prompts))
-        if not text and not entries and not finished and not first:
-            return []
-        key = "delta" if self.kind == "chat" else "text"
-        bodies: list[Any]
-        if self.kind == "chat":
-            bodies = self._chat_deltas(text, cur, finished, _cut_off(s))
-        else:
-            echo = ""
-            if not cur.started and self.echo_prompts:
-                echo = self.echo_prompts[index // len(self.states[0].samples)]
-            bodies = [echo + text]
-        logprobs = self.logprobs(entries, cur.chars) if entries else None
-        cur.chars = len(s.text)
-        cur.logprobs = len(s.output_logprobs)
-        cur.done = s.finished
-        if not bodies:
-            if not (entries or finished or first):
-                return []  # the tool-call parser holds all of the new text back
-            bodies = [{"role": "assistant", "content": ""} if first else {}]
-        cur.started = True
-        choices = []
-        for k, body in enumerate(bodies):
-            choice: dict[str, Any] = {
-                "index": index,
-                key: body,
-                "logprobs": logprobs if k == 0 else None,
-                "finish_reason": None,
-            }
-            if finished and k == len(bodies) - 1:
-                choice["finish_reason"] = _tool_finish(_finish_reason(s), cur.calls > 0)
-                choice["matched_stop"] = _matched_stop(s)
-            choices.append(choice)
-        return choices
-
-    def _chat_deltas(
-        self, text: str, cur: _Cursor, finished: bool, cut_off: bool
-    ) -> list[dict[str, Any]]:
-        """Chat deltas for new text; through the tool-call parser when tools are active (then
-        possibly none: the parser may hold the text back). `cut_off`: a finished output did not
-        end by itself (what the parser holds back at its end may begin a call: dropped)."""
-        if cur.parser is None:
-            deltas: list[dict[str, Any]] = [{"content": text}]
-        else:
-            events = cur.parser.feed(text)
-            if finished:
-                events += cur.parser.finish(cut_off)
-            deltas = []
-            for event in events:
-                if isinstance(event, str):
-                    deltas.append({"content": event})
-                    continue
-                head = {"name": event.name, "arguments": ""}
-                call = {"index": cur.calls, "id": event.id, "type": "function", "function": head}
-                deltas.append({"tool_calls": [call]})
-                args = {"index": cur.calls, "function": {"arguments": event.arguments}}
-                deltas.append({"tool_calls": [args]})
-                cur.calls += 1
-        if deltas and not cur.started:
-            deltas[0] = {"role": "assistant", **deltas[0]}
-        return deltas
-
-    async def stream(self, include_usage: bool) -> AsyncIterator[bytes]:
-        listener = self.states[0].listener
-        samples = self.samples
-        cursors = [
-            _Cursor(parser=self.tools.parser() if self.tools is not None else None) for _ in samples
-        ]
-        try:
-            while True:
-                listener.clear()
-                for (index, s), cur in zip(samples, cursors, strict=True):
-                    if (not s.dirty and cur.started) or refused(s):
-                        continue
-                    s.dirty = False
-                    for choice in self._stream_choices(index, s, cur):
-                        yield self._chunk([choice], None, include_usage)
-                errors = [e for s in self.states if (e := request_error(s, self.constraint_param))]
-                if errors:
-                    yield sse(errors[0].body())
-                    break
-                if all(s.finished for s in self.states):
-                    if include_usage:
-                        yield self._chunk([], self.usage(), True)
-                    break
-                await listener.wait()
-            yield SSE_DONE
-        finally:
-            # NOTE: runs when the client disconnects mid-stream (the generator is cancelled).
-            self.tm.abort_unfinished(self.states)
 
 
 # ---- building requests ----------------------------------------------------------------------
@@ -467,7 +189,7 @@ def _chat_job(
     tm: TokenizerManager,
     chat: ChatRenderer,
     tenant: str | None = None,
-) -> _Job:
+) -> Job:
     model = _check_model(tm, req.model)
     chat.check_available()
     json_schema = response_format_constraint(
@@ -492,11 +214,11 @@ def _chat_job(
     gen = tm.build_request(
         ids,
         params,
-        explicit,
-        -1 if top is not None else None,
-        top or 0,
-        req.rid,
-        param="messages",
+        max_tokens_explicit=explicit,
+        logprob_start_len=-1 if top is not None else None,
+        top_logprobs_num=top or 0,
+        rid=req.rid,
+        prompt_param="messages",
         max_tokens_param=max_tokens_param,
         cache_salt=req.cache_salt,
         tenant=tenant,
@@ -504,7 +226,7 @@ def _chat_job(
     # NOTE: submitted after every spec check: parse_off_loop may run this twice
     states = tm.submit([gen], stream=bool(req.stream), api="openai.chat", tenant=tenant)
     param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
-    return _Job(tm, model, "chat", states, top, tools=plan, constraint_param=param)
+    return ChatJob(tm, model, states, top, constraint_param=param, tools=plan)
 
 
 def _constraint_param(params: SamplingParams) -> str | None:
@@ -523,12 +245,12 @@ def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[in
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             names = [f"prompt[{i}]" for i in range(len(prompt))]
-            return tm.tokenize_many(prompt, names), list(prompt)
+            return tm.intake.encode_many(prompt, names), list(prompt)
         if all(isinstance(p, list) for p in prompt):
-            many = [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            many = [tm.intake.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
             return many, [_echo_text(tm, x) for x in many]
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            one = tm.check_ids(prompt, "prompt")
+            one = tm.intake.check_ids(prompt, "prompt")
             return [one], [_echo_text(tm, one)]
     raise bad_request(
         "prompt must be a non-empty string, list of strings, list of token ids, or list of "
@@ -537,9 +259,7 @@ def _completion_prompts(prompt: Any, tm: TokenizerManager) -> tuple[list[list[in
     )
 
 
-def _completion_job(
-    req: CompletionRequest, tm: TokenizerManager, tenant: str | None = None
-) -> _Job:
+def _completion_job(req: CompletionRequest, tm: TokenizerManager, tenant: str | None = None) -> Job:
     model = _check_model(tm, req.model)
     if req.suffix:
         raise not_supported("suffix", "suffix")
@@ -561,28 +281,21 @@ def _completion_job(
             tm.build_request(
                 ids,
                 params,
-                explicit,
-                -1 if top is not None else None,
-                top or 0,
-                None,
-                param="prompt",
+                max_tokens_explicit=explicit,
+                logprob_start_len=-1 if top is not None else None,
+                top_logprobs_num=top or 0,
+                rid=req.rid if len(ids_list) == 1 else None,
+                prompt_param="prompt",
                 max_tokens_param="max_tokens",
                 cache_salt=req.cache_salt,
                 tenant=tenant,
             )
         )
         param = _constraint_param(params)
-    if req.rid is not None and len(gens) == 1:
-        gens[0].rid = req.rid
     # NOTE: submitted after every spec check: parse_off_loop may run this twice
-    return _Job(
-        tm,
-        model,
-        "text",
-        tm.submit(gens, stream=bool(req.stream), api="openai.completions", tenant=tenant),
-        top,
-        echo_prompts=texts if req.echo else [],
-        constraint_param=param,
+    states = tm.submit(gens, stream=bool(req.stream), api="openai.completions", tenant=tenant)
+    return CompletionJob(
+        tm, model, states, top, constraint_param=param, echo_prompts=texts if req.echo else []
     )
 
 
@@ -608,7 +321,7 @@ def register(app: FastAPI, tm: TokenizerManager, chat: ChatRenderer) -> None:
         job = await parse_off_loop(partial(_completion_job, req, tm, tenant_of(request)))
         return await _respond(job, bool(req.stream), req.stream_options, request)
 
-    async def _respond(job: _Job, stream: bool, options: Any, request: Request) -> Response:
+    async def _respond(job: Job, stream: bool, options: Any, request: Request) -> Response:
         if stream:
             include_usage = bool(options is not None and options.include_usage)
             return StreamingResponse(job.stream(include_usage), media_type="text/event-stream")

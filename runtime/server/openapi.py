@@ -3,8 +3,9 @@ handlers really take and give.
 
 The handlers decode their JSON bodies themselves (msgspec), so FastAPI knows nothing of them.
 The body schemas here come from the same msgspec structs (`msgspec.json.schema_components`);
-the fields those structs type as Any (a scalar or a per-prompt list, checked by hand) and the
-value ranges `SamplingParams.validate` enforces are spelled out below. A schema-valid body can
+the fields those structs type as Any (a scalar or a per-prompt list, checked by hand) are spelled
+out below, and the value ranges and SGLang's extra keys come from the table `SamplingParams`
+validates with (`weft.runtime.sampling_params`). A schema-valid body can
 still be a 400 (a prompt longer than the context, a grammar that does not compile): every
 operation that takes a body declares it.
 
@@ -24,10 +25,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from weft.runtime.sampling_params import (
+    ALIASES,
     CONSTRAINT_FIELDS,
-    MAX_N,
-    MAX_SEED,
-    MAX_TOP_K,
+    MAX_TOP_LOGPROBS_NUM,
+    RANGES,
+    SGLANG_EXTRAS,
     SamplingParams,
 )
 from weft.runtime.server.native_api import UNSUPPORTED_FIELDS, GenerateReqInput
@@ -47,38 +49,18 @@ BOOL = {"type": "boolean"}
 OBJECT = {"type": "object"}
 TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
-# What SamplingParams.validate accepts, by field name (SGLang's and OpenAI's spellings).
+# What SamplingParams.validate accepts, by field name (its own, OpenAI's and SGLang's spellings),
+# and the ranges of the request-level logprob fields the intake checks.
 _RANGES: dict[str, dict[str, Any]] = {
-    "max_new_tokens": {"minimum": 0},
-    "max_tokens": {"minimum": 0},
-    "max_completion_tokens": {"minimum": 0},
-    "min_new_tokens": {"minimum": 0},
-    "min_tokens": {"minimum": 0},
-    "temperature": {"minimum": 0},
-    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"minimum": -1, "maximum": MAX_TOP_K},
-    "min_p": {"minimum": 0, "maximum": 1},
-    "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "presence_penalty": {"minimum": -2, "maximum": 2},
-    "repetition_penalty": {"minimum": 0.01, "maximum": 2},
-    "n": {"minimum": 1, "maximum": MAX_N},
-    "seed": {"minimum": 0, "maximum": MAX_SEED},
-    "sampling_seed": {"minimum": 0, "maximum": MAX_SEED},
+    **{name: bounds.schema() for name, bounds in RANGES.items()},
+    **{alias: RANGES[name].schema() for alias, name in ALIASES.items()},
     "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-    "top_logprobs_num": {"minimum": 0, "maximum": 1024},
+    "top_logprobs_num": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS_NUM},
     "logprob_start_len": {"minimum": -1},
 }
 # SGLang's sampling_params keys that are not SamplingParams fields: accepted only with the
 # values listed (anything else is a 400 "not supported"), or accepted and without effect.
-_SGLANG_EXTRAS: dict[str, dict[str, Any]] = {
-    "sampling_seed": INT,
-    "stop_regex": {"anyOf": [{"const": ""}, {"type": "array", "maxItems": 0}]},
-    "logit_bias": {"type": "object", "maxProperties": 0},
-    "beam_width": {"const": 1},
-    "watermark": NULL,
-    "stream_interval": INT,
-    "custom_params": {},
-}
+_SGLANG_EXTRAS = {name: extra.schema for name, extra in SGLANG_EXTRAS.items()}
 _JSON_CONSTRAINTS = ("json_schema", "structural_tag")
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     "enum": [None, False, [], {}],
@@ -124,6 +106,8 @@ def _request_schemas() -> dict[str, Any]:
         SamplingParams,
     ]
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    del components["GrammarSpec"]  # SamplingParams.grammar: parsed by validate, not sent
+    del components["SamplingParams"]["properties"]["grammar"]
     for name in ("CompletionRequest", "ChatCompletionRequest", "GenerateReqInput"):
         props = components[name]["properties"]
         for field, schema in props.items():

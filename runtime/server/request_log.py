@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from weft.runtime.server.tokenizer_manager import ReqState
+    from weft.runtime.server.request_state import ReqState
 
 logger = logging.getLogger("weft")
 

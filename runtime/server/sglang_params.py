@@ -3,7 +3,7 @@
 SGLang clients send every field they know, often as explicit nulls ("regex": null) or as SGLang's
 own spellings (`sampling_seed`, top_k = 1 << 30 for "off"). Null means "default"; a feature weft
 does not have yet (regex stops, logit bias, beams) is a clear 400, never silently ignored; a key
-nobody knows is a 400 naming it.
+nobody knows is a 400 naming it. The extra keys and what each means: `SGLANG_EXTRAS`.
 
 Output constraints (regex, json_schema, ebnf, structural_tag; at most one) are checked here, in
 the HTTP process, with `weft.grammars.spec.parse_spec`: a spec that is not valid JSON, not a valid
@@ -12,24 +12,21 @@ JSON schema, or too large is a 400 before the scheduler sees it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
 from weft.grammars.spec import MAX_SPEC_CHARS, InvalidSpec, parse_spec
 from weft.runtime.sampling_params import (
     CONSTRAINT_FIELDS,
-    MAX_STOP_LEN,
-    MAX_STOP_STRINGS,
+    SAMPLING_FIELDS,
+    SGLANG_EXTRAS,
+    RequestError,
     RequestLimits,
     SamplingParams,
 )
 from weft.runtime.server.errors import ApiError, bad_request, not_supported
 
-_OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _JSON_FIELDS = frozenset({"json_schema", "structural_tag"})  # may also come as a JSON object
-# Accepted and without effect in weft (a delivery or bookkeeping hint, not a sampling change).
-_IGNORED_FIELDS = frozenset({"stream_interval", "custom_params"})
 
 
 def parse_sampling_params(
@@ -63,28 +60,17 @@ def parse_sampling_params(
             constraints.append(key)
             kwargs[key] = text
             continue
-        if key == "stop_regex":
-            if value in ("", []):
+        extra = SGLANG_EXTRAS.get(key)
+        if extra is not None:
+            if extra.alias is None:
+                if extra.unsupported is not None and value not in extra.accepts:
+                    param = f"{where}.{key}"
+                    raise not_supported(extra.unsupported.format(param=param), param)
                 continue
-            raise not_supported(f"{where}.stop_regex", f"{where}.stop_regex")
-        if key == "logit_bias":
-            if value == {}:
-                continue
-            raise not_supported(f"{where}.logit_bias", f"{where}.logit_bias")
-        if key == "beam_width":
-            if value == 1:
-                continue
-            raise not_supported(f"beam search ({where}.beam_width)", f"{where}.beam_width")
-        if key == "watermark":
-            raise not_supported(f"{where}.watermark", f"{where}.watermark")
-        if key in _IGNORED_FIELDS:
-            continue
-        if key == "sampling_seed":
-            key = "seed"
-        if key not in _OWN_FIELDS:
+            key = extra.alias
+        if key not in SAMPLING_FIELDS:
             raise bad_request(f"unknown sampling parameter {key!r}", f"{where}.{key}")
         kwargs[key] = value
-    _check_lists(kwargs, where)
     explicit = "max_new_tokens" in kwargs
     cap = limits.max_new_tokens
     if not explicit and cap is not None:
@@ -92,9 +78,8 @@ def parse_sampling_params(
     try:
         params = SamplingParams(**kwargs)
         params.validate(vocab_size, limits)
-    except (ValueError, TypeError) as exc:
-        named = str(exc).split(" ", 1)[0]
-        param = f"{where}.{named}" if named in kwargs else where
+    except RequestError as exc:
+        param = f"{where}.{exc.param}" if exc.param in kwargs else where
         raise ApiError(f"invalid {where}: {exc}", 400, param=param) from None
     return params, explicit
 
@@ -125,28 +110,3 @@ def check_constraint(
     except InvalidSpec as exc:
         raise bad_request(f"invalid {param}: {exc}", param) from None
     return text
-
-
-def _check_lists(kwargs: dict[str, Any], where: str) -> None:
-    stop = kwargs.get("stop")
-    if stop is not None:
-        kwargs["stop"] = check_stop(stop, f"{where}.stop")
-    ids = kwargs.get("stop_token_ids")
-    if ids is not None and not isinstance(ids, list):
-        raise bad_request(
-            f"{where}.stop_token_ids must be a list of token ids", f"{where}.stop_token_ids"
-        )
-
-
-def check_stop(stop: Any, param: str) -> list[str]:
-    """A stop string or a list of them: non-empty strings, a bounded number."""
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad_request(f"{param} must be a string or a list of strings", param)
-    if any(s == "" for s in stops):
-        raise bad_request(f"{param} must not contain empty strings", param)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"{param} has {len(stops)} entries; at most {MAX_STOP_STRINGS}", param)
-    if any(len(s) > MAX_STOP_LEN for s in stops):
-        raise bad_request(f"{param} entries must be at most {MAX_STOP_LEN} characters", param)
-    return list(stops)

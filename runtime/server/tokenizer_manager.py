@@ -12,128 +12,46 @@ scheduler had died.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
+import dataclasses
 import itertools
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, assert_never
 
 import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
-from weft.grammars.spec import off_loop
-from weft.runtime.core import check_rid
+from weft.runtime.detokenize import TokenTexts
+from weft.runtime.intake import Bounds, Intake
 from weft.runtime.ipc import exit_status
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.messages.common import (
     Fatal,
-    GrammarReport,
     Heartbeat,
-    LogprobEntry,
     ModelInfo,
     Ready,
     Reply,
 )
-from weft.runtime.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams, output_room_error
-from weft.runtime.server.errors import ApiError, bad_request, error_kind
+from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.server.errors import ApiError, bad_request
+from weft.runtime.server.liveness import HEARTBEAT_TIMEOUT_S, SchedulerClock
 from weft.runtime.server.metrics import ServerMetrics
 from weft.runtime.server.middleware import cache_namespace
 from weft.runtime.server.request_log import RequestLog, request_record
+from weft.runtime.server.request_state import ReqState, Sample, Totals
 from weft.runtime.server_config import ServerConfig
-from weft.runtime.tokenizer import encode_prompt
 
 logger = logging.getLogger("weft")
 
 QUERY_TIMEOUT_S = 30.0
-HEARTBEAT_TIMEOUT_S = 5.0  # no scheduler heartbeat (sent every second) this long: frozen
-STALL_HEALTH_S = 30.0  # requests pending and no scheduler step this long: /health fails
 WATCHDOG_CHECK_S = 1.0
-INLINE_TOKENIZE_CHARS = 16 * 1024  # longer texts are tokenized off the event loop
-TRIM_AFTER_CHARS = 1 << 20  # after tokenizing a text this long, give the freed memory back
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
-
-
-@dataclass
-class Sample:
-    """One of a request's n samples, as received so far."""
-
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    cached_tokens: int = 0
-    output_logprobs: list[LogprobEntry] = field(default_factory=list)
-    input_logprobs: list[LogprobEntry] | None = None
-    grammar: GrammarReport | None = None  # constrained requests: as of the last update
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finished_at: float | None = None
-    # what the consumer has not seen yet (a stream sends one chunk per wake-up, not per token)
-    dirty: bool = False
-    new_logprobs_from: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class ReqState:
-    rid: str  # what the caller knows (its own rid, or one made for it)
-    prompt_tokens: int
-    samples: list[Sample]
-    listener: asyncio.Event  # set on every update; may be shared by a batch's states
-    created: float = field(default_factory=time.perf_counter)
-    error: ApiError | None = None
-    want_logprobs: bool = False
-    stream: bool = False  # wake the listener on every update (else on finish only)
-    api: str = "native"  # the API that took it (for the request log)
-    tenant: str | None = None  # who sent it, where API keys name tenants
-    prompt_ids: list[int] | None = None  # kept only for the request log's texts
-    deadline: asyncio.TimerHandle | None = None  # --request-timeout's timer
-    # NOTE: the scheduler knows the request by this id, made here: a caller's rid is scoped to
-    # its tenant and never reaches the scheduler, so no caller can name another's request (or
-    # an internal one), nor learn whether another tenant's rid is in use.
-    sched_rid: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or all(s.finished for s in self.samples)
-
-    def outcome(self) -> tuple[str, str | None]:
-        """("ok", None), ("aborted", why), or (an error kind, its message)."""
-        if self.error is not None:
-            return error_kind(self.error.status), self.error.message
-        for sample in self.samples:
-            reason = sample.finish_reason or {}
-            if reason.get("type") == "abort":
-                status = reason.get("status_code")
-                kind = error_kind(status) if isinstance(status, int) else "aborted"
-                return kind, str(reason.get("message") or "aborted")
-        return "ok", None
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(len(s.output_ids) for s in self.samples)
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache (the least over the samples)."""
-        return min(s.cached_tokens for s in self.samples)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        ends = [s.finished_at for s in self.samples]
-        if any(e is None for e in ends):
-            return None
-        return max(e for e in ends if e is not None) - self.created
 
 
 class TokenizerManager:
@@ -159,7 +77,7 @@ class TokenizerManager:
         self.metrics = ServerMetrics() if config.enable_metrics else None
         if self.metrics is not None:  # gauges read at scrape time
             self.metrics.pending.set_function(lambda: len(self.states))
-            self.metrics.cache_hit_rate.set_function(lambda: self.cache_hit_rate)
+            self.metrics.cache_hit_rate.set_function(lambda: self.totals.cache_hit_rate)
         self.request_log = (
             RequestLog(config.request_log, config.log_prompts) if config.request_log else None
         )
@@ -170,27 +88,24 @@ class TokenizerManager:
         self._by_caller: dict[tuple[str | None, str], ReqState] = {}  # (tenant, rid)
         self._queries: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._query_ids = itertools.count(1)
-        self._token_texts: dict[int, str] = {}
-        self._anchor: int | None = None
+        self.token_text = TokenTexts(tokenizer)  # a token's text, for logprobs
         self._recv_task: asyncio.Task[None] | None = None
-        # the most characters one token stands for (the longest token string, special tokens
-        # included, plus one for a normalizer's added prefix): a longer text cannot fit
-        self._token_chars = _longest_token(tokenizer) + 1 if tokenizer is not None else 0
+        bounds = Bounds(
+            vocab_size=info.vocab_size,
+            context_length=info.context_length,
+            max_prompt_tokens=config.max_prompt_tokens,
+            limits=config.request_limits,
+        )
+        self.intake = Intake(tokenizer, bounds)
         self.dead: str | None = None  # why the server cannot serve any more
         # the scheduler's liveness, from its heartbeats (monotonic times)
-        self._heartbeat_at = time.monotonic()
-        self._progress_at = self._heartbeat_at  # its last step while requests were pending
-        self._scheduler_steps = -1
+        self._clock = SchedulerClock()
         self._watchdog_task: asyncio.Task[None] | None = None
         # NOTE: set by the launcher's SIGTERM handler: refuse new requests while running ones
         # finish (a plain flag: a signal handler must not touch the states)
         self.draining = False
         self.started_at = time.time()
-        # totals over finished requests (the server's cache hit rate)
-        self.num_finished = 0
-        self.prompt_tokens_total = 0
-        self.cached_tokens_total = 0
-        self.completion_tokens_total = 0
+        self.totals = Totals()  # over finished requests (the server's cache hit rate)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -198,7 +113,7 @@ class TokenizerManager:
         loop = asyncio.get_running_loop()
         self._inbox = zmq.asyncio.Socket.from_socket(self._inbox_sync)
         self._recv_task = loop.create_task(self._recv_loop())
-        self._heartbeat_at = self._progress_at = time.monotonic()
+        self._clock.restart()
         self._watchdog_task = loop.create_task(self._watchdog())
         for name, proc in self.children:
             loop.add_reader(proc.sentinel, self._child_exited, name, proc)
@@ -233,12 +148,7 @@ class TokenizerManager:
         return self.dead is None
 
     def _liveness(self) -> tuple[str | None, float]:
-        return scheduler_liveness(
-            time.monotonic() - self._heartbeat_at,
-            time.monotonic() - self._progress_at if self.states else 0.0,
-            len(self.states),
-            self.config.watchdog_timeout,
-        )
+        return self._clock.liveness(len(self.states), self.config.watchdog_timeout)
 
     def check_healthy(self) -> None:
         """/health: alive, admitting, and the scheduler answers and advances its requests."""
@@ -261,17 +171,6 @@ class TokenizerManager:
             if why is not None and limit and stalled > limit:
                 self._mark_dead(f"watchdog: {why} (--watchdog-timeout {limit:g})")
 
-    def _on_heartbeat(self, beat: Heartbeat) -> None:
-        """The stall clock runs while requests are pending and the scheduler either has work to
-        step and takes no step, or holds none of them (they were lost). Requests that only wait
-        for their grammars are not a stall: the scheduler bounds that wait itself."""
-        now = time.monotonic()
-        self._heartbeat_at = now
-        grammars_only = beat.runnable == 0 and beat.held > 0
-        if beat.steps != self._scheduler_steps or not self.states or grammars_only:
-            self._scheduler_steps = beat.steps
-            self._progress_at = now
-
     def check_alive(self) -> None:
         if self.dead is not None:
             raise ApiError(f"the server cannot serve requests: {self.dead}", 503)
@@ -282,144 +181,37 @@ class TokenizerManager:
         if self.draining:
             raise ApiError("the server is shutting down: it accepts no new requests", 503)
 
-    # ---- tokens -----------------------------------------------------------------------------
+    # ---- tokens and requests (the checks: `weft.runtime.intake`, shared with the Engine) ----
 
-    def tokenize(
-        self, text: str, param: str = "text", add_special_tokens: bool = True
-    ) -> list[int]:
-        """Special-token strings in the text (a rendered chat template) become special tokens."""
-        return self.tokenize_many([text], [param], add_special_tokens)[0]
-
-    def tokenize_many(
-        self, texts: list[str], params: list[str], add_special_tokens: bool = True
-    ) -> list[list[int]]:
-        """The prompts of one request (`params` names each one's field).
-
-        A text that cannot fit is refused before any tokenizing. Inside `parse_off_loop`, long
-        texts are tokenized on a worker thread (the tokenizer releases the GIL), all of a
-        request's in one job: a 16 MB prompt once held the event loop, /health and every stream
-        with it, for 26 s; and each job reruns the request's parse (a job per prompt made a
-        batch of k long prompts parse k + 1 times)."""
-        tokenizer = self.tokenizer
-        for text, param in zip(texts, params, strict=True):
-            self._check_text(text, param)
-        assert tokenizer is not None  # (checked)
-        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
-            return [encode_prompt(tokenizer, t, add_special_tokens) for t in texts]
-        key = ("tokenize", tuple(texts), add_special_tokens)
-        return off_loop(key, lambda: _encode_and_trim(tokenizer, texts, add_special_tokens))
-
-    def _check_text(self, text: str, param: str) -> None:
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer: send input_ids instead of text", param)
-        if not text:
-            raise bad_request(f"{param} is empty", param)
-        if len(text) > self.max_prompt_tokens * self._token_chars:
-            limited = self.config.max_prompt_tokens is not None
-            raise ApiError(
-                f"{param} is too long: {len(text)} characters can only make more than "
-                f"{self.max_prompt_tokens} tokens (the most a prompt may have here"
-                f"{', --max-prompt-tokens' if limited else ''}), since no token of this model "
-                f"is longer than {self._token_chars} characters",
-                400,
-                param=param,
-                code="prompt_too_long" if limited else "context_length_exceeded",
-            )
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        limit = self.config.max_prompt_tokens
-        context = self.info.context_length - 1  # the prompt and one new token must fit
-        return context if limit is None else min(limit, context)
-
-    def token_text(self, tid: int) -> str:
-        """The text a token adds after other text (for logprobs).
-
-        NOTE: decoding a lone token drops a SentencePiece token's leading space ("▁upon" ->
-        "upon"); decoding it after an anchor token and cutting the anchor's text keeps it.
-        """
-        text = self._token_texts.get(tid)
-        if text is None:
-            text = ""
-            if self.tokenizer is not None:
-                if self._anchor is None:
-                    self._anchor = _anchor_token(self.tokenizer)
-                anchor_text = str(self.tokenizer.decode([self._anchor]))
-                both = str(self.tokenizer.decode([self._anchor, tid]))
-                if both.startswith(anchor_text):
-                    text = both[len(anchor_text) :]
-                else:
-                    text = str(self.tokenizer.decode([tid]))
-            self._token_texts[tid] = text
-        return text
-
-    def check_ids(self, ids: Any, param: str) -> list[int]:
-        if not isinstance(ids, list) or not ids:
-            raise bad_request(f"{param} must be a non-empty list of token ids", param)
-        vocab = self.info.vocab_size
-        for tid in ids:
-            if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab:
-                raise bad_request(f"{param} has {tid!r}, not a token id in [0, {vocab})", param)
-        return ids
+    def tokenize(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.intake.encode(text, param, add_special_tokens=add_special_tokens)
 
     def build_request(
         self,
         ids: list[int],
         params: SamplingParams,
+        *,
         max_tokens_explicit: bool,
         logprob_start_len: int | None = None,
         top_logprobs_num: int = 0,
         rid: str | None = None,
-        param: str = "text",
+        prompt_param: str = "text",
         max_tokens_param: str = "max_new_tokens",
-        cache_salt: str | None = None,
+        cache_salt: object = None,
         tenant: str | None = None,
     ) -> to_sched.GenerateRequest:
-        """Checks that need the model: prompt and output length against the context (and the
-        server's --max-prompt-tokens)."""
-        context = self.info.context_length
-        if len(ids) >= context:
-            raise ApiError(
-                f"the prompt is too long: {len(ids)} tokens, the context length is {context} "
-                "(the prompt and at least one new token must fit)",
-                400,
-                param=param,
-                code="context_length_exceeded",
-            )
-        limit = self.config.max_prompt_tokens
-        if limit is not None and len(ids) > limit:
-            raise ApiError(
-                f"the prompt is too long: {len(ids)} tokens, this server takes at most {limit} "
-                "(--max-prompt-tokens)",
-                400,
-                param=param,
-                code="prompt_too_long",
-            )
-        room = output_room_error(len(ids), params.max_new_tokens, context, max_tokens_param)
-        if max_tokens_explicit and room is not None:
-            raise ApiError(room, 400, param=max_tokens_param, code="context_length_exceeded")
-        if logprob_start_len is not None:
-            if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
-                raise bad_request("logprob_start_len must be an integer", "logprob_start_len")
-            if not -1 <= logprob_start_len < len(ids):
-                raise bad_request(
-                    f"logprob_start_len ({logprob_start_len}) must be -1 or below the prompt "
-                    f"length ({len(ids)})",
-                    "logprob_start_len",
-                )
-        top_max = MAX_TOP_LOGPROBS_NUM
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= top_max:
-            raise bad_request(
-                f"top_logprobs_num must be an integer in [0, {top_max}]", "top_logprobs_num"
-            )
+        """The intake's request, in the caller's prefix-cache namespace."""
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
-        return to_sched.GenerateRequest(
-            rid=uuid.uuid4().hex if rid is None else rid,
-            input_ids=ids,
-            params=params,
+        return self.intake.build(
+            ids,
+            params,
+            max_tokens_explicit=max_tokens_explicit,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
+            rid=rid,
+            prompt_param=prompt_param,
+            max_tokens_param=max_tokens_param,
             # NOTE: the prefix cache only matches within a namespace: requests of another
             # tenant, or with another salt, never reuse this one's KV (nor it theirs)
             namespace=cache_namespace(tenant, cache_salt),
@@ -430,6 +222,7 @@ class TokenizerManager:
     def submit(
         self,
         reqs: list[to_sched.GenerateRequest],
+        *,
         stream: bool = False,
         api: str = "native",
         tenant: str | None = None,
@@ -443,8 +236,8 @@ class TokenizerManager:
         self.check_admitting()
         self._check_queue()
         if not self.states:  # the stall clock counts from the first pending request
-            self._progress_at = time.monotonic()
-        rids = [_checked_rid(r.rid) for r in reqs]
+            self._clock.restart()
+        rids = [r.rid for r in reqs]  # (checked by the intake)
         if len(set(rids)) != len(rids) or any((tenant, rid) in self._by_caller for rid in rids):
             raise bad_request("rid is already in use by a running request", "rid")
         listener = asyncio.Event()
@@ -569,7 +362,7 @@ class TokenizerManager:
         | type[to_sched.GetMetrics],
     ) -> dict[str, Any]:
         self.check_alive()
-        if time.monotonic() - self._heartbeat_at > HEARTBEAT_TIMEOUT_S:
+        if self._clock.silent_s > HEARTBEAT_TIMEOUT_S:
             why, _ = self._liveness()
             raise ApiError(f"the scheduler cannot answer: {why}", 503)
         qid = next(self._query_ids)
@@ -608,21 +401,26 @@ class TokenizerManager:
         while True:
             raw = await self._inbox.recv()
             try:
-                msg = from_detok.decoder.decode(raw)
-                if isinstance(msg, from_detok.TextStep):
-                    self._on_text(msg.updates)
-                elif isinstance(msg, Reply):
-                    future = self._queries.get(msg.query_id)
-                    if future is not None and not future.done():
-                        future.set_result(msg.body)
-                elif isinstance(msg, Heartbeat):
-                    self._on_heartbeat(msg)
-                elif isinstance(msg, Fatal):
-                    self._mark_dead(f"the {msg.process} process failed: {msg.message}")
-                elif isinstance(msg, Ready):
-                    pass  # handled by the launcher before serving
+                self._handle(from_detok.decoder.decode(raw))
             except Exception:  # one bad message must not stop the server
                 logger.exception("tokenizer manager: cannot handle a message")
+
+    def _handle(self, msg: from_detok.ToTokenizer) -> None:
+        match msg:
+            case from_detok.TextStep(updates=updates):
+                self._on_text(updates)
+            case Reply(query_id=qid, body=body):
+                future = self._queries.get(qid)
+                if future is not None and not future.done():
+                    future.set_result(body)
+            case Heartbeat():
+                self._clock.on_heartbeat(msg, len(self.states))
+            case Fatal(process=process, message=message):
+                self._mark_dead(f"the {process} process failed: {message}")
+            case Ready():
+                pass  # handled by the launcher before serving
+            case _:
+                assert_never(msg)
 
     def _on_text(self, updates: list[from_detok.TextUpdate]) -> None:
         now = time.perf_counter()
@@ -633,19 +431,8 @@ class TokenizerManager:
             sample = state.samples[u.index]
             if u.new_ids:
                 self._tokens_arrived(state, sample, len(u.new_ids), now)
-            sample.text += u.text
-            sample.output_ids.extend(u.new_ids)
-            sample.cached_tokens = u.cached_tokens
-            if u.output_logprobs:
-                sample.output_logprobs.extend(u.output_logprobs)
-            if u.input_logprobs is not None:
-                sample.input_logprobs = u.input_logprobs
-            if u.grammar is not None:
-                sample.grammar = u.grammar
-            sample.dirty = True
+            sample.apply(u, now)
             if u.finish_reason is not None:
-                sample.finish_reason = u.finish_reason
-                sample.finished_at = now
                 if state.finished:
                     self._finished(state)
                 state.listener.set()
@@ -670,10 +457,7 @@ class TokenizerManager:
         if state.deadline is not None:
             state.deadline.cancel()
         completion, cached = state.completion_tokens, state.cached_tokens
-        self.num_finished += 1
-        self.prompt_tokens_total += state.prompt_tokens
-        self.cached_tokens_total += cached
-        self.completion_tokens_total += completion
+        self.totals.add(state.prompt_tokens, cached, completion)
         if self.metrics is not None:
             latency = state.e2e_latency
             reason = state.samples[0].finish_reason or {}
@@ -696,67 +480,11 @@ class TokenizerManager:
                 prompt = str(self.tokenizer.decode(ids)) if self.tokenizer is not None else ""
             self.request_log.write(request_record(state, prompt))
 
-    @property
-    def cache_hit_rate(self) -> float:
-        """Cached / prompt tokens over the finished requests."""
-        prompt = self.prompt_tokens_total
-        return self.cached_tokens_total / prompt if prompt else 0.0
-
     def stats(self) -> dict[str, Any]:
+        totals = dataclasses.asdict(self.totals)
         return {
             "num_pending": len(self.states),
             "num_queued": self.num_queued,
-            "num_finished": self.num_finished,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "cached_tokens_total": self.cached_tokens_total,
-            "completion_tokens_total": self.completion_tokens_total,
-            "cache_hit_rate": self.cache_hit_rate,
+            **totals,
+            "cache_hit_rate": self.totals.cache_hit_rate,
         }
-
-
-def scheduler_liveness(
-    silent_s: float, stuck_s: float, pending: int, watchdog_s: float
-) -> tuple[str | None, float]:
-    """(why /health fails, or None; for how long the scheduler has not advanced) from the time
-    since its last heartbeat, and since its last step while requests were pending."""
-    if silent_s > HEARTBEAT_TIMEOUT_S:
-        why = f"the scheduler process has not answered for {silent_s:.0f} s"
-    elif pending and stuck_s > min(STALL_HEALTH_S, watchdog_s or float("inf")):
-        why = (
-            f"the scheduler holds {pending} pending request(s) and has not stepped for "
-            f"{stuck_s:.0f} s"
-        )
-    else:
-        why = None
-    return why, max(silent_s, stuck_s if pending else 0.0)
-
-
-def _longest_token(tokenizer: PreTrainedTokenizerBase) -> int:
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max(len(t) for t in tokens if t is not None)
-
-
-def _encode_and_trim(
-    tokenizer: PreTrainedTokenizerBase, texts: tuple[str, ...] | list[str], add_special: bool
-) -> list[list[int]]:
-    ids = [encode_prompt(tokenizer, t, add_special) for t in texts]
-    if sum(len(t) for t in texts) >= TRIM_AFTER_CHARS:
-        _malloc_trim()  # NOTE: glibc keeps the tokenizer's freed arenas (180 MiB once) otherwise
-    return ids
-
-
-def _malloc_trim() -> None:
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _checked_rid(rid: str) -> str:
-    try:
-        return check_rid(rid)
-    except ValueError as exc:
-        raise bad_request(str(exc), "rid") from None
-
-
-def _anchor_token(tokenizer: PreTrainedTokenizerBase) -> int:
-    ids = tokenizer.encode("a", add_special_tokens=False)
-    return int(ids[-1]) if ids else 0
