@@ -23,16 +23,14 @@ import torch
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import LogprobRequest, Req, check_rid
 from weft.runtime.loaders.source import resolve_source
-from weft.runtime.model_config import ModelConfig
-from weft.runtime.model_runner import ModelRunner
 from weft.runtime.results import request_output
 from weft.runtime.sampling_params import (
     MAX_TOP_LOGPROBS_NUM,
     SamplingParams,
     output_room_error,
 )
-from weft.runtime.scheduler import Scheduler
-from weft.runtime.tokenizer import encode_prompt, end_token_ids, load_tokenizer
+from weft.runtime.scheduler import build_scheduler
+from weft.runtime.tokenizer import encode_prompt
 
 logger = logging.getLogger("weft")
 
@@ -73,14 +71,10 @@ class Engine:
             torch.set_num_threads(self.config.num_threads)
         started = time.perf_counter()
         source = resolve_source(self.config)
-        ModelConfig.from_folder(source.folder)  # a bad config.json fails before anything loads
-        self.tokenizer = (
-            load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
-        )
-        self.runner = ModelRunner(self.config, source)
+        self.scheduler = build_scheduler(self.config, source)
+        self.tokenizer, self.end_ids = self.scheduler.tokenizer, self.scheduler.end_ids
+        self.runner = self.scheduler.runner
         self.model_config = self.runner.model_config
-        self.end_ids = end_token_ids(self.tokenizer, self.model_config, source.folder)
-        self.scheduler = Scheduler(self.config, self.runner, self.tokenizer, self.end_ids)
         self.source = source
         self._pending: dict[str, _Pending] = {}
         self._inbox: list[tuple[str, Any]] = []
