@@ -20,6 +20,7 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.core import FinishReason, Req
 from weft.runtime.histogram import BucketCounts
 from weft.runtime.model_runner import ModelRunner
+from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,16 @@ Masked = tuple[torch.Tensor, list[Req], tuple[torch.Tensor, list[int]] | None, l
 
 
 class Constrained:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, output: OutputProcessor) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        output: OutputProcessor,
+        memory: MemoryManager,
+    ) -> None:
         self.config = config
         self.runner = runner
+        self.memory = memory  # jump-forward drafts: the KV of draft tokens the model did not take
         self.output = output  # its tokenizer, end ids and max_seq_len are the grammars' too
         self.end_list = sorted(output.end_ids)  # the grammar backends take them as a list
         self._grammars: GrammarManager | None = None
@@ -199,23 +207,29 @@ class Constrained:
 
     # ---- tokens through the grammar -------------------------------------------------------
 
-    def take_draft(self, req: Req, kept: list[int]) -> None:
-        """Append the draft tokens the model picked itself (their KV is the request's; the
-        caller freed the rest). The request may end among them (a stop string, its token
-        limit), or with its grammar backend's failure."""
+    def take_draft(self, req: Req, draft: list[int], ids: list[int]) -> int:
+        """Keep the draft tokens the model picked itself (ids[j] was sampled after draft[:j])
+        and free the KV of the rest. Returns the model's token after those kept; the request
+        may have ended among them (a stop string, its token limit), and its release then frees
+        the KV of draft tokens it did not keep (MemoryManager.release)."""
+        taken = 0
+        while taken < len(draft) and ids[taken] == draft[taken]:
+            taken += 1
+        self.memory.truncate(req, req.seq_len + taken)  # (its token is read: none pending)
         grammar: RequestGrammar = req.grammar
         try:
-            for tid in kept:  # NOTE: taken when the masks were filled: cannot fail
+            for tid in draft[:taken]:  # NOTE: taken when the masks were filled: cannot fail
                 if not grammar.accept(tid):
                     raise RuntimeError(f"the grammar took draft token {tid}, then refused it")
         except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
             self._failed(req, exc)
-            return
-        grammar.jump_forward_tokens += len(kept)
-        for tid in kept:
+            return ids[taken]
+        grammar.jump_forward_tokens += taken
+        for tid in draft[:taken]:
             self.output.append_token(req, tid, None, None)
             if req.finished:
-                return
+                break
+        return ids[taken]
 
     def append(
         self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None

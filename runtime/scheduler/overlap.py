@@ -16,8 +16,6 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.core import Req
 from weft.runtime.sampler import Sampled, read_back
 from weft.runtime.scheduler.constrained import Constrained
-from weft.runtime.scheduler.memory import MemoryManager
-from weft.runtime.scheduler.output_processor import OutputProcessor
 
 
 def overlap_schedule(config: EngineConfig, device: torch.device) -> bool:
@@ -83,9 +81,7 @@ def launch(
     return flight
 
 
-def read_tokens(
-    flight: InFlight, *, memory: MemoryManager, output: OutputProcessor, constrained: Constrained
-) -> list[Req]:
+def read_tokens(flight: InFlight, constrained: Constrained) -> list[Req]:
     """Read the step's tokens back and append them: a drafting request's kept draft tokens
     first, a constrained request's tokens through its grammar. Returns the requests that got a
     token or finished, by row (not those aborted or retracted since the launch)."""
@@ -100,19 +96,11 @@ def read_tokens(
         token = result.token_ids[i]
         draft = flight.drafts.get(i)
         if draft is not None:
-            ids = result.token_ids[i : i + 1 + len(draft)]  # ids[j]: sampled after draft[:j]
-            taken = 0
-            while taken < len(draft) and ids[taken] == draft[taken]:
-                taken += 1
-            # the KV of the draft tokens the model did not pick is freed (its token is read:
-            # none pending); if the request ends among those kept, its release frees the rest
-            memory.truncate(req, req.seq_len + taken)
-            constrained.take_draft(req, draft[:taken])
-            token = ids[taken]
+            token = constrained.take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
         if draft is not None and req.finished:
             pass  # it ended among the draft tokens it kept
         elif req.grammar is None:
-            output.append_token(req, token, logprob, top)
+            constrained.output.append_token(req, token, logprob, top)
         else:
             # NOTE: the step launched just before this read-back may have fed the token to the
             # model already (its KV is being written)

@@ -55,7 +55,7 @@ class Scheduler:
             runner.kv_pool, runner.req_to_token, use_cache=not config.disable_radix_cache
         )
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
-        self.constrained = Constrained(config, runner, self.output)
+        self.constrained = Constrained(config, runner, self.output, self.memory)
         self.intake = Intake(config.random_seed, self.constrained, self.memory.cache.enabled)
         self.admission = Admission(
             self.memory,
@@ -229,10 +229,7 @@ class Scheduler:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
-        got = read_tokens(
-            flight, memory=self.memory, output=self.output, constrained=self.constrained
-        )
-        for req in got:
+        for req in read_tokens(flight, self.constrained):
             if req.finished:
                 self._end([req])
             else:
