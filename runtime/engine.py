@@ -22,15 +22,11 @@ import torch
 from weft.runtime.config import EngineConfig
 from weft.runtime.engine_thread import EngineThread, failure
 from weft.runtime.intake import Bounds, Intake, per_prompt
-from weft.runtime.loaders.end_tokens import end_token_ids
 from weft.runtime.loaders.source import resolve_source
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
-from weft.runtime.model_config import ModelConfig
-from weft.runtime.model_runner import ModelRunner
 from weft.runtime.sampling_params import SamplingParams
-from weft.runtime.scheduler import Scheduler
-from weft.runtime.tokenizer import load_tokenizer
+from weft.runtime.scheduler import build_scheduler
 
 logger = logging.getLogger("weft")
 
@@ -65,14 +61,10 @@ class Engine(EngineThread):
             torch.set_num_threads(self.config.num_threads)
         started = time.perf_counter()
         source = resolve_source(self.config)
-        ModelConfig.from_folder(source.folder)  # a bad config.json fails before anything loads
-        self.tokenizer = (
-            load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
-        )
-        self.runner = ModelRunner(self.config, source)
+        self.scheduler = build_scheduler(self.config, source)
+        self.tokenizer, self.end_ids = self.scheduler.tokenizer, self.scheduler.end_ids
+        self.runner = self.scheduler.runner
         self.model_config = self.runner.model_config
-        self.end_ids = end_token_ids(self.tokenizer, self.model_config, source.folder)
-        self.scheduler = Scheduler(self.config, self.runner, self.tokenizer, self.end_ids)
         bounds = Bounds(
             vocab_size=self.model_config.vocab_size,
             context_length=self.scheduler.max_seq_len,

@@ -19,16 +19,13 @@ import zmq
 
 from weft.runtime.core import Req, child_rid
 from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, setup_child
-from weft.runtime.loaders.end_tokens import end_token_ids
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as to_detok
 from weft.runtime.messages import tokenizer_to_scheduler as from_tm
 from weft.runtime.messages.common import Fatal, Heartbeat, ModelInfo, Ready, Reply
-from weft.runtime.model_runner import ModelRunner
-from weft.runtime.scheduler import Scheduler
+from weft.runtime.scheduler import Scheduler, build_scheduler
 from weft.runtime.server_config import ServerConfig
-from weft.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("weft")
 
@@ -67,12 +64,9 @@ class SchedulerService:
     def __init__(self, config: ServerConfig, source: ModelSource) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        engine_config = config.engine_config
-        tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
-        self.runner = ModelRunner(engine_config, source)
-        end_ids = end_token_ids(tokenizer, self.runner.model_config, source.folder)
-        self.scheduler = Scheduler(engine_config, self.runner, tokenizer, end_ids)
-        self.has_tokenizer = tokenizer is not None
+        self.scheduler = build_scheduler(config.engine_config, source)
+        self.runner = self.scheduler.runner
+        self.has_tokenizer = self.scheduler.tokenizer is not None
         self.source = source
         self._progress: dict[str, _Progress] = {}
         self._starts: list[to_detok.DecodeStart] = []

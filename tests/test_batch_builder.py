@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weft.runtime.batch_builder import build_batch
 from weft.runtime.core import Req
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool
-from weft.runtime.memory import MemoryManager
 from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.scheduler.batch_builder import build_batch
+from weft.runtime.scheduler.memory import MemoryManager
 
 
 def _memory() -> MemoryManager:

@@ -137,16 +137,16 @@ def test_a_grammar_that_never_compiles_fails_its_request_in_bounded_time(plain, 
     # forever): the request fails once it has waited the chain's timeouts plus a slack
     from concurrent.futures import Future
 
-    from weft.runtime import scheduler as scheduler_module
+    from weft.runtime.scheduler import constrained as constrained_module
 
     never: Future = Future()
     grammars = plain.call(lambda: plain.scheduler.grammars)
     monkeypatch.setattr(grammars, "submit_field", lambda *args, **kwargs: never)
-    monkeypatch.setattr(scheduler_module, "GRAMMAR_QUEUE_SLACK_S", 0.5)
+    monkeypatch.setattr(constrained_module, "GRAMMAR_QUEUE_SLACK_S", 0.5)
     config = plain.scheduler.config
     plain.scheduler.config = config.replace(grammar_compile_timeout=0.1)
     try:
-        limit = plain.scheduler.grammar_wait_limit_s
+        limit = plain.scheduler.constrained.wait_limit_s
         assert limit == pytest.approx(len(config.grammar_backends) * 0.1 + 0.5)
         with pytest.raises(RuntimeError, match=f"did not compile within {limit:g} s"):
             plain.generate(PROMPT, {**PARAMS, "regex": HEALTHY})

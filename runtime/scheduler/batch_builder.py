@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weft.runtime.core import ForwardBatch, Req
-from weft.runtime.memory import MemoryManager
+from weft.runtime.scheduler.memory import MemoryManager
 
 ALIGN_INT64 = 2  # int64s per 16 bytes
 

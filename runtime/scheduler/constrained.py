@@ -1,0 +1,281 @@
+"""Constrained decoding in the scheduler: grammar compiles in flight, the step's token masks,
+and the grammar's side of every token (accepts, jump-forward drafts).
+
+A grammar backend that raises ends only the request it raised on, with a server error (a bug in
+the backend, not the request's fault); the methods return such requests for the loop to end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+
+import torch
+
+from weft.grammars.bitmask import allocate_bitmask
+from weft.grammars.manager import Compiled, GrammarManager, RequestGrammar
+from weft.grammars.vocab import TokenVocab
+from weft.runtime.config import EngineConfig
+from weft.runtime.core import FinishReason, Req
+from weft.runtime.histogram import BucketCounts
+from weft.runtime.model_runner import ModelRunner
+from weft.runtime.scheduler.memory import MemoryManager
+from weft.runtime.scheduler.output_processor import OutputProcessor
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_QUEUE_SLACK_S = 30.0  # beyond the compile timeouts, a request's wait for its grammar
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
+# Jump-forward drafts (core.py): at most this many forced tokens verified in one step (each is a
+# row of logits and a grammar mask).
+MAX_DRAFT_TOKENS = 16
+
+# (logits, requests by row, (bitmask rows on the logits' device, the constrained rows) or None,
+# the requests whose grammar backend failed: ended, their rows dropped)
+Masked = tuple[torch.Tensor, list[Req], tuple[torch.Tensor, list[int]] | None, list[Req]]
+
+
+class Constrained:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        output: OutputProcessor,
+        memory: MemoryManager,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.memory = memory  # jump-forward drafts: the KV of draft tokens the model did not take
+        self.output = output  # its tokenizer, end ids and max_seq_len are the grammars' too
+        self.end_list = sorted(output.end_ids)  # the grammar backends take them as a list
+        self._grammars: GrammarManager | None = None
+        self._bitmask: torch.Tensor | None = None  # CPU rows filled per step (pinned on CUDA)
+        self.compile_s = BucketCounts(GRAMMAR_COMPILE_BUCKETS)  # per constrained request
+        self.mask_s = BucketCounts(GRAMMAR_MASK_BUCKETS)  # per step with constrained rows
+
+    @property
+    def grammars(self) -> GrammarManager:
+        """Created on the first constrained request (the vocabulary takes ~1 s to convert)."""
+        if self._grammars is None:
+            tokenizer, vocab_size = self.output.tokenizer, self.runner.model_config.vocab_size
+            if tokenizer is None:
+                raise ValueError("constrained decoding needs the model's tokenizer")
+            end_ids = self.end_list
+            self._grammars = GrammarManager(
+                lambda: TokenVocab.from_tokenizer(tokenizer, vocab_size, end_ids),
+                order=self.config.grammar_backends,
+                timeout_s=self.config.grammar_compile_timeout,
+                compact_json=self.config.constrained_json_disable_any_whitespace,
+            )
+        return self._grammars
+
+    # ---- compiles in flight ---------------------------------------------------------------
+
+    def submit(self, req: Req) -> concurrent.futures.Future[Compiled] | None:
+        """Start compiling the request's grammar (None: unconstrained). ValueError: no tokenizer
+        to build the grammars' vocabulary from."""
+        if req.params.grammar is not None:  # parsed where the request came in
+            return self.grammars.submit(req.params.grammar)
+        if req.params.constraint is None:
+            return None
+        # NOTE: a request built without validation; the JSON schema meta-validation is skipped (SamplingParams.validate ran it in
+        # the HTTP process or Engine): up to a second of Python, which even on a worker thread
+        # would stall the loop (each torch op waits for the GIL)
+        return self.grammars.submit_field(
+            *req.params.constraint, self.config.max_grammar_chars, validated=True
+        )
+
+    def poll(self, wait: list[Req]) -> tuple[list[Req], list[Req]]:
+        """Take the requests whose grammar is ready out of `wait`: (ready, failed). A request
+        that waited past `wait_limit_s` fails (a 503: the compiles are backed up); so does one
+        whose grammar did not compile (a 400)."""
+        limit = self.wait_limit_s
+        now = time.perf_counter()
+        failed = []
+        for req in [r for r in wait if now - r.created > limit]:
+            if not req.grammar_future.done():
+                wait.remove(req)
+                self.forget_job(req, wait)
+                message = f"the request's grammar did not compile within {limit:g} s"
+                message += " (the grammar compiles are backed up)"
+                self.output.finish(req, FinishReason("abort", message=message, status=503))
+                failed.append(req)
+        ready = []
+        for req in [r for r in wait if r.grammar_future.done()]:
+            wait.remove(req)
+            try:
+                compiled = req.grammar_future.result()
+                if req.index == 0:  # n > 1 samples share one compile
+                    self.compile_s.observe(compiled.compile_s)
+                req.grammar = RequestGrammar(compiled, self.end_list)
+                ready.append(req)
+            except Exception as exc:  # GrammarError, or a matcher the backend cannot build
+                self.output.finish(req, FinishReason("abort", message=str(exc), status=400))
+                failed.append(req)
+            finally:
+                req.grammar_future = None
+        return ready, failed
+
+    def forget_job(self, req: Req, wait: list[Req]) -> None:
+        """The request no longer waits for its grammar: a compile nobody else in `wait` waits
+        for (n > 1 samples share one) is cancelled, if it has not started, to free its place."""
+        job, req.grammar_future = req.grammar_future, None
+        if job is not None and not any(r.grammar_future is job for r in wait):
+            job.cancel()
+
+    @property
+    def wait_limit_s(self) -> float:
+        """How long a request may wait for its grammar: every backend of the chain at its compile
+        timeout, plus GRAMMAR_QUEUE_SLACK_S in the compile queue.
+
+        NOTE: a compile future that never resolves (a deadlocked grammar worker once held 31
+        requests forever) must not hold a request without bound."""
+        backends = len(self.config.grammar_backends)
+        return backends * self.config.grammar_compile_timeout + GRAMMAR_QUEUE_SLACK_S
+
+    @staticmethod
+    def wait(wait: list[Req], timeout_s: float = 0.01) -> None:
+        """Nothing to run but compiles in flight: block briefly instead of spinning."""
+        futures = [r.grammar_future for r in wait]
+        concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+
+    # ---- the step's masks -----------------------------------------------------------------
+
+    def fill_bitmask(
+        self, logits: torch.Tensor, reqs: list[Req], drafts: dict[Req, list[int]]
+    ) -> Masked:
+        """Mask rows for the requests by row of `logits` (see `Masked`).
+
+        A drafting request has a row per draft token after its first: masked as its grammar
+        stands after that token. A draft the grammar does not take whole is cut in place."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return logits, reqs, None, []
+        vocab_size = self.runner.model_config.vocab_size
+        if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
+            size = max(len(reqs), self.config.max_running_requests)
+            self._bitmask = allocate_bitmask(
+                size, vocab_size, pin=self.runner.device.type == "cuda"
+            )
+        bitmask = self._bitmask[: len(reqs)]
+        start = time.perf_counter()
+        firsts = [i for i in rows if i == 0 or reqs[i - 1] is not reqs[i]]
+        failed: list[Req] = []
+        try:
+            self.grammars.fill([reqs[i].grammar for i in firsts], bitmask, firsts)
+        except Exception:  # NOTE: a backend's bug: find the rows that raise, one by one
+            failed = self._fill_rows_apart(reqs, firsts, bitmask)
+        for i in firsts:
+            draft = drafts.get(reqs[i])
+            if draft and reqs[i] not in failed:
+                try:
+                    del draft[self.grammars.fill_draft(reqs[i].grammar, draft, bitmask, i) :]
+                except Exception as exc:
+                    self._failed(reqs[i], exc)
+                    failed.append(reqs[i])
+        if failed:
+            keep = [i for i, r in enumerate(reqs) if r not in failed]
+            logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+            bitmask = bitmask[keep]
+            reqs = [reqs[i] for i in keep]
+            rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+            if not rows:
+                return logits, reqs, None, failed
+        self.mask_s.observe(time.perf_counter() - start)
+        return logits, reqs, (bitmask.to(self.runner.device, non_blocking=True), rows), failed
+
+    def _fill_rows_apart(
+        self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor
+    ) -> list[Req]:
+        """The batched fill raised: fill row by row to find the culprits, and end them. Returns
+        them (the other rows are filled)."""
+        failed = []
+        for i in rows:
+            try:
+                self.grammars.fill([reqs[i].grammar], bitmask, [i])
+            except Exception as exc:
+                self._failed(reqs[i], exc)
+                failed.append(reqs[i])
+        return failed
+
+    def _failed(self, req: Req, exc: Exception) -> None:
+        """A grammar backend raised on this request: it ends with a server error."""
+        name = req.grammar.backend_name
+        logger.error("grammar backend %s failed on request %s", name, req.rid, exc_info=exc)
+        message = f"the grammar backend {name} failed: {type(exc).__name__}: {exc}"
+        self.output.finish(req, FinishReason("abort", message=message, status=500))
+
+    # ---- tokens through the grammar -------------------------------------------------------
+
+    def take_draft(self, req: Req, draft: list[int], ids: list[int]) -> int:
+        """Keep the draft tokens the model picked itself (ids[j] was sampled after draft[:j])
+        and free the KV of the rest. Returns the model's token after those kept; the request
+        may have ended among them (a stop string, its token limit), and its release then frees
+        the KV of draft tokens it did not keep (MemoryManager.release)."""
+        taken = 0
+        while taken < len(draft) and ids[taken] == draft[taken]:
+            taken += 1
+        self.memory.truncate(req, req.seq_len + taken)  # (its token is read: none pending)
+        grammar: RequestGrammar = req.grammar
+        try:
+            for tid in draft[:taken]:  # NOTE: taken when the masks were filled: cannot fail
+                if not grammar.accept(tid):
+                    raise RuntimeError(f"the grammar took draft token {tid}, then refused it")
+        except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
+            self._failed(req, exc)
+            return ids[taken]
+        grammar.jump_forward_tokens += taken
+        for tid in draft[:taken]:
+            self.output.append_token(req, tid, None, None)
+            if req.finished:
+                break
+        return ids[taken]
+
+    def append(
+        self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None
+    ) -> None:
+        """The model's token through the grammar (a refused one ends the request), then the
+        grammar's draft of the tokens it forces next."""
+        grammar: RequestGrammar = req.grammar
+        req.draft = []
+        try:
+            accepted = token >= 0 and grammar.accept(token)
+        except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
+            self._failed(req, exc)
+            return
+        if not accepted:
+            self.output.finish(
+                req, FinishReason("abort", message=f"the grammar rejected token {token}")
+            )
+            return
+        self.output.append_token(req, token, logprob, top)
+        if grammar.ended and not req.finished:  # ignore_eos cannot outlast the grammar
+            self.output.finish(req, FinishReason("stop", matched=token))
+        if req.finished or not self._drafts_for(req):
+            return
+        try:
+            req.draft = grammar.draft(self._draft_limit(req))
+        except Exception as exc:
+            self._failed(req, exc)
+
+    def _drafts_for(self, req: Req) -> bool:
+        """Whether jump-forward drafts this request. Not where CUDA graphs replay the decode
+        steps, unless enable_jump_forward (a draft's step runs eagerly, for the whole batch:
+        slower than the steps it saves, benchmarks/RESULTS.md); not with logprobs asked for (a
+        draft token has none), penalties or min_new_tokens still to reach (the draft rows would
+        share the request's penalties and token count as they stand before the draft)."""
+        p = req.params
+        return (
+            not self.config.disable_jump_forward
+            and (self.config.enable_jump_forward or self.runner.graphs is None)
+            and req.logprob is None
+            and not p.has_penalties
+            and len(req.output_ids) >= p.min_new_tokens
+        )
+
+    def _draft_limit(self, req: Req) -> int:
+        """Draft tokens that leave room for the model's token after them."""
+        room = min(req.remaining_new_tokens, self.output.max_seq_len - req.seq_len) - 1
+        return min(room, MAX_DRAFT_TOKENS)

@@ -1,0 +1,114 @@
+"""The overlap schedule: step N + 1's forward is launched before step N's sampled tokens are
+read back; reading them (and appending, detokenizing, grammar accepts) then runs while the
+device computes.
+
+A request whose token is still on the device has `Req.pending = (step, row)`: the token counts
+in seq_len, and the next forward takes it from the device (`build_batch`'s pending_ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from weft.runtime.config import EngineConfig
+from weft.runtime.core import Req
+from weft.runtime.sampler import Sampled, read_back
+from weft.runtime.scheduler.constrained import Constrained
+
+
+def overlap_schedule(config: EngineConfig, device: torch.device) -> bool:
+    """On by default on CUDA only: on a CPU the "device" is this thread, and overlapping would
+    only delay the outputs (--enable-overlap-schedule forces it, to test its logic there)."""
+    if config.enable_overlap_schedule:
+        return True
+    return device.type == "cuda" and not config.disable_overlap_schedule
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A step whose sampled tokens are still on the device."""
+
+    step: int
+    reqs: list[Req]  # row i of `ids` is reqs[i]'s token
+    ids: torch.Tensor  # [K] int64, on the device
+    raw_logprobs: torch.Tensor | None
+    # the drafts verified, by the row of their request's first token: rows row .. row + len(draft)
+    # are its samples after each draft token (row itself: after none)
+    drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # overlap on CUDA: `ids` copied to pinned memory right behind the sampling, and its event
+    host_ids: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    result: Sampled | None = None
+
+    def read(self) -> Sampled:
+        """The sampled tokens on the host (waits for the device the first time)."""
+        if self.result is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            ids = self.ids if self.host_ids is None else self.host_ids
+            self.result = read_back(ids, self.raw_logprobs, self.reqs)
+        return self.result
+
+
+def launch(
+    step: int,
+    reqs: list[Req],
+    sampled: tuple[torch.Tensor, torch.Tensor | None],
+    drafts: dict[Req, list[int]],
+    *,
+    overlap: bool,
+) -> InFlight:
+    """The step's sampled (ids, raw logprobs), not read back: each request's token pending at
+    its first row. Read back at once where logprobs are wanted (rare: no overlap then)."""
+    ids, raw_logprobs = sampled
+    flight = InFlight(step, reqs, ids, raw_logprobs)
+    for i, req in enumerate(reqs):
+        if i == 0 or reqs[i - 1] is not req:  # its first row
+            req.pending = (step, i)
+            if req in drafts:
+                flight.drafts[i] = drafts[req]
+    if overlap and raw_logprobs is not None:
+        flight.read()
+    elif overlap and ids.is_cuda:
+        # NOTE: queue the copy to the host right behind the sampling: a read-back queued later
+        # (.tolist() in read_tokens) would wait behind the next step's forward as well
+        flight.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        flight.host_ids.copy_(ids, non_blocking=True)
+        flight.ready = torch.cuda.Event()
+        flight.ready.record()
+    return flight
+
+
+def read_tokens(flight: InFlight, constrained: Constrained) -> list[Req]:
+    """Read the step's tokens back and append them: a drafting request's kept draft tokens
+    first, a constrained request's tokens through its grammar. Returns the requests that got a
+    token or finished, by row (not those aborted or retracted since the launch)."""
+    result = flight.read()
+    got = []
+    for i, req in enumerate(flight.reqs):
+        if req.pending != (flight.step, i):
+            continue  # aborted or retracted meanwhile
+        req.pending = None
+        logprob = result.logprobs[i] if result.logprobs and req.logprob else None
+        top = result.top[i] if result.top else None
+        token = result.token_ids[i]
+        draft = flight.drafts.get(i)
+        if draft is not None:
+            token = constrained.take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
+        if draft is not None and req.finished:
+            pass  # it ended among the draft tokens it kept
+        elif req.grammar is None:
+            constrained.output.append_token(req, token, logprob, top)
+        else:
+            # NOTE: the step launched just before this read-back may have fed the token to the
+            # model already (its KV is being written)
+            fed = req.kv_len > req.seq_len  # (pending is cleared: seq_len counts no token)
+            constrained.append(req, token, logprob, top)
+            if fed and req.finished and req.kv_len > req.seq_len:
+                # NOTE: ended without its token (rejected, or the backend failed), which has KV
+                # already: keep it, so that release() caches as many tokens as slots
+                req.output_ids.append(token)
+        got.append(req)
+    return got

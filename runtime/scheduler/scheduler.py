@@ -1,0 +1,269 @@
+"""The scheduler: continuous batching with chunked prefill mixed into decode steps.
+
+One `step()` = pick work (`admission`), lay it out and run the forward (`batch_builder`),
+sample with the grammars' masks (`constrained`), report the tokens (`output_processor`); under
+the overlap schedule the tokens are read back during the next step's forward (`overlap`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from weft.grammars.manager import GrammarManager
+from weft.runtime.config import EngineConfig
+from weft.runtime.core import FinishReason, Req
+from weft.runtime.loaders.end_tokens import end_token_ids
+from weft.runtime.loaders.source import ModelSource
+from weft.runtime.model_config import ModelConfig
+from weft.runtime.model_runner import ModelRunner
+from weft.runtime.sampler import sample_on_device
+from weft.runtime.scheduler.admission import Admission, default_chunk_size
+from weft.runtime.scheduler.arrivals import Arrivals
+from weft.runtime.scheduler.batch_builder import RowPlan, build_batch
+from weft.runtime.scheduler.constrained import Constrained
+from weft.runtime.scheduler.memory import MemoryManager
+from weft.runtime.scheduler.output_processor import OutputProcessor
+from weft.runtime.scheduler.overlap import InFlight, launch, overlap_schedule, read_tokens
+from weft.runtime.tokenizer import load_tokenizer
+
+PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at once
+
+
+def build_scheduler(config: EngineConfig, source: ModelSource) -> Scheduler:
+    """The scheduler with all it owns: tokenizer, model runner (weights, KV pool), end ids."""
+    ModelConfig.from_folder(source.folder)  # a bad config.json fails before anything loads
+    tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
+    runner = ModelRunner(config, source)
+    end_ids = end_token_ids(tokenizer, runner.model_config, source.folder)
+    return Scheduler(config, runner, tokenizer, end_ids)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer: PreTrainedTokenizerBase | None,
+        end_ids: frozenset[int],
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.end_ids = end_ids
+        self.chunk_size = config.chunked_prefill_size or default_chunk_size(runner.device)
+        self.max_seq_len = min(runner.context_length, runner.kv_pool.size)
+        self.memory = MemoryManager(
+            runner.kv_pool, runner.req_to_token, use_cache=not config.disable_radix_cache
+        )
+        self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
+        self.constrained = Constrained(config, runner, self.output, self.memory)
+        self.arrivals = Arrivals(config.random_seed, self.constrained, self.memory.cache.enabled)
+        self.admission = Admission(
+            self.memory,
+            chunk_size=self.chunk_size,
+            max_running=config.max_running_requests,
+            max_seq_len=self.max_seq_len,
+            lpm=config.schedule_policy == "lpm",
+        )
+        self.overlap = overlap_schedule(config, runner.device)
+        self.grammar_wait: list[Req] = []  # waiting for their grammar to compile
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self._updates: list[Req] = []  # got a token or finished since the last step returned
+        self._inflight: InFlight | None = None
+        self.num_retractions = 0
+        self.num_steps = 0
+        self.num_tokens_computed = 0  # tokens through the model (prefill + decode)
+        self.num_overlapped_steps = 0  # forwards launched before the previous tokens were read
+        self.peak_running = 0
+        self.grammar_compile_s = self.constrained.compile_s  # per constrained request
+        self.grammar_mask_s = self.constrained.mask_s  # per step with constrained rows
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.constrained.config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        # NOTE: tests and benchmarks swap it between runs (jump-forward, grammar timeouts); the
+        # admission limits and the grammar manager stay as built
+        self.constrained.config = config
+
+    @property
+    def grammars(self) -> GrammarManager:
+        return self.constrained.grammars
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add(self, req: Req) -> list[Req]:
+        """Queue a request; n > 1 becomes n sampled children sharing one prompt prefill.
+        A constrained request first waits (in `grammar_wait`) for its grammar to compile."""
+        queued = self.arrivals.add(req)
+        self.waiting += queued.ready
+        self.grammar_wait += queued.compiling
+        self._report(queued.failed)
+        return queued.children
+
+    def abort(self, rid: str) -> bool:
+        """Abort by rid (or every child of an n > 1 group). Returns whether anything matched."""
+        queues = (self.running, self.waiting, self.grammar_wait)
+        hit = [r for q in queues for r in q if rid in (r.rid, r.group_rid)]
+        if hit and self._inflight is not None:
+            self._resolve()  # release() needs every token of the request on the host
+            hit = [r for r in hit if not r.finished]
+        # NOTE: a request a read-back gave a token is in _updates; the abort reports it (that
+        # token included). Listed twice, it was reported twice, and the server's scheduler
+        # process died on the second update (KeyError). The read-back may be an earlier abort's
+        # of this same step (a client that leaves a batch aborts its rids one by one).
+        self._updates = [r for r in self._updates if r not in hit]
+        for req in hit:
+            next(q for q in queues if req in q).remove(req)
+            self.constrained.forget_job(req, self.grammar_wait)
+            self.memory.release(req)
+            self.output.finish(req, FinishReason("abort", message="aborted by request"))
+        self._report(hit)
+        return bool(hit)
+
+    @property
+    def has_work(self) -> bool:
+        queued = self.waiting or self.running or self.grammar_wait or self._updates
+        return bool(queued) or self._inflight is not None
+
+    # ---- the loop body --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Req]:
+        """One iteration; returns the (visible) requests that got a token or finished."""
+        if self._inflight is not None and self._inflight.drafts:
+            self._resolve()  # which of its drafts the model took decides what is fed next
+        if self.grammar_wait:
+            ready, failed = self.constrained.poll(self.grammar_wait)
+            self.waiting += ready
+            self._report(failed)
+        if self._inflight is not None and self.admission.decode_short(self.running):
+            self._resolve()  # a retracted request must have its tokens on the host
+        decision = self.admission.schedule(
+            self.running, self.waiting, in_flight=self._inflight is not None
+        )
+        self.num_retractions += len(decision.retracted)
+        if decision.work:
+            self._run(decision.work)
+        elif self._inflight is not None:
+            self._resolve()
+        elif self.grammar_wait and not self._updates:
+            self.constrained.wait(self.grammar_wait)
+        updates, self._updates = self._updates, []
+        return updates
+
+    def _run(self, work: list[tuple[Req, int]]) -> None:
+        """The forward of the step's work; the previous step's tokens are read back while it
+        runs (overlap schedule), this step's right after it otherwise."""
+        prev = self._inflight
+        batch, plans = build_batch(
+            work, self.memory, self.runner.device, prev.ids if prev is not None else None
+        )
+        hidden = self.runner.forward(batch)
+        for plan in plans:
+            plan.req.kv_len += plan.num_tokens
+        self.num_steps += 1
+        self.num_tokens_computed += batch.num_tokens
+        if prev is not None:
+            self.num_overlapped_steps += 1
+            self._resolve()
+        self._launch(hidden, plans)
+        if not self.overlap:
+            self._resolve()
+        self.peak_running = max(self.peak_running, len(self.running))
+        self.admission.decay()
+
+    def _launch(self, hidden: torch.Tensor, plans: list[RowPlan]) -> None:
+        """Prompt logprobs, prefill progress into the cache, then sampling (not read back)."""
+        for plan in plans:
+            req = plan.req
+            if plan.prompt_rows:
+                self._score_prompt(hidden, plan)
+            if plan.sample_row is None and req.kv_len == req.seq_len and not req.finished:
+                self._end([req], FinishReason("length"))  # max_new_tokens == 0
+            elif plan.num_tokens > 1 and not plan.draft and not req.finished:
+                self.memory.cache_progress(req)  # others may share this prefill from now on
+        # NOTE: a row is sampled only if its request is still live and fully computed: under the
+        # overlap schedule it may have finished, or grown by jump-forward text, since this step
+        # was built.
+        sampling = [
+            p
+            for p in plans
+            if p.sample_row is not None
+            and not p.req.finished
+            and p.req.kv_len == p.req.seq_len + len(p.draft)
+        ]
+        if not sampling:
+            return
+        rows: list[int] = []
+        reqs: list[Req] = []
+        drafts: dict[Req, list[int]] = {}
+        for p in sampling:  # a drafting request samples after each draft token too
+            assert p.sample_row is not None
+            rows += range(p.sample_row, p.sample_row + 1 + len(p.draft))
+            reqs += [p.req] * (1 + len(p.draft))
+            if p.draft:
+                drafts[p.req] = p.draft
+        if rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        logits = self.runner.logits(hidden)
+        # NOTE: filled while the device computes the forward and the logits (launched, not awaited)
+        logits, reqs, bitmask, failed = self.constrained.fill_bitmask(logits, reqs, drafts)
+        self._end(failed)
+        if reqs:  # (else every row's grammar backend failed)
+            fused = not self.config.disable_fused_sampling
+            sampled = sample_on_device(logits, reqs, self.end_ids, bitmask, fused=fused)
+            self._inflight = launch(self.num_steps, reqs, sampled, drafts, overlap=self.overlap)
+
+    def _score_prompt(self, hidden: torch.Tensor, plan: RowPlan) -> None:
+        for lo in range(0, len(plan.prompt_rows), PROMPT_LOGITS_CHUNK):
+            rows = plan.prompt_rows[lo : lo + PROMPT_LOGITS_CHUNK]
+            index = torch.tensor(rows, device=hidden.device)
+            logprobs = torch.log_softmax(self.runner.logits(hidden[index]), dim=-1)
+            positions = plan.prompt_positions[lo : lo + PROMPT_LOGITS_CHUNK]
+            self.output.record_prompt_logprobs(plan.req, logprobs, positions)
+
+    def _resolve(self) -> None:
+        """Read back the in-flight step's tokens: report who got one, end who finished."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        for req in read_tokens(flight, self.constrained):
+            if req.finished:
+                self._end([req])
+            else:
+                self._report([req])
+
+    def _end(self, reqs: list[Req], reason: FinishReason | None = None) -> None:
+        """Running requests are done: free their KV and report them."""
+        for req in reqs:
+            if reason is not None:
+                self.output.finish(req, reason)
+            if req in self.running:
+                self.running.remove(req)
+                self.memory.release(req)
+        self._report(reqs)
+
+    def _report(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if not req.hidden:
+                self.output.mark_reported(req)
+                self._updates.append(req)
+
+    # ---- audits ---------------------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests are queued or running."""
+        if self.has_work:
+            return False
+        self.memory.cache.reset()
+        return True
+
+    def check_integrity(self) -> None:
+        self.memory.check_integrity(self.running)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.memory.stats(self.running)
