@@ -141,7 +141,7 @@ def test_a_grammar_that_never_compiles_fails_its_request_in_bounded_time(plain, 
 
     never: Future = Future()
     grammars = plain.call(lambda: plain.scheduler.grammars)
-    monkeypatch.setattr(grammars, "submit_field", lambda *args, **kwargs: never)
+    monkeypatch.setattr(grammars, "submit", lambda *args, **kwargs: never)  # the parsed spec
     monkeypatch.setattr(constrained_module, "GRAMMAR_QUEUE_SLACK_S", 0.5)
     config = plain.scheduler.config
     plain.scheduler.config = config.replace(grammar_compile_timeout=0.1)
