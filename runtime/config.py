@@ -19,127 +19,91 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def _help(text: str, **extra: Any) -> dict[str, Any]:
-    return {"help": text, **extra}
+def option(default: Any, help: str, **extra: Any) -> Any:
+    """A config field: its default, and its CLI flag's help text (and argparse extras)."""
+    return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str | None = field(
-        default=None,
-        metadata=_help("HF model folder or .gguf file; omitted = the embedded default model"),
+    model_path: str | None = option(
+        None, "HF model folder or .gguf file; omitted = the embedded default model"
     )
-    tokenizer_path: str | None = field(
-        default=None, metadata=_help("tokenizer folder (defaults to the model's)")
+    tokenizer_path: str | None = option(None, "tokenizer folder (defaults to the model's)")
+    load_format: str = option("auto", "weights format", choices=LOAD_FORMATS)
+    dtype: str = option("auto", "compute dtype", choices=DTYPES)
+    device: str = option("auto", "cpu, cuda or auto")
+    context_length: int | None = option(
+        None, "max tokens of prompt + output (default: the model's)"
     )
-    load_format: str = field(default="auto", metadata=_help("weights format", choices=LOAD_FORMATS))
-    dtype: str = field(default="auto", metadata=_help("compute dtype", choices=DTYPES))
-    device: str = field(default="auto", metadata=_help("cpu, cuda or auto"))
-    context_length: int | None = field(
-        default=None, metadata=_help("max tokens of prompt + output (default: the model's)")
+    max_total_tokens: int | None = option(None, "KV pool size in tokens (default: from memory)")
+    mem_fraction_static: float = option(0.85, "GPU memory fraction for weights + KV pool")
+    cpu_kv_cache_gb: float = option(2.0, "KV pool memory on the CPU when max_total_tokens is unset")
+    max_running_requests: int = option(256, "max requests decoding at once")
+    max_prompt_tokens: int | None = option(
+        None, "refuse longer prompts (default: the context length)"
     )
-    max_total_tokens: int | None = field(
-        default=None, metadata=_help("KV pool size in tokens (default: from memory)")
+    max_new_tokens_cap: int | None = option(
+        None, "refuse requests asking for more new tokens (default: the context length)"
     )
-    mem_fraction_static: float = field(
-        default=0.85, metadata=_help("GPU memory fraction for weights + KV pool")
+    max_grammar_chars: int = option(
+        MAX_SPEC_CHARS, "refuse longer regex / json_schema / ebnf / structural_tag texts"
     )
-    cpu_kv_cache_gb: float = field(
-        default=2.0, metadata=_help("KV pool memory on the CPU when max_total_tokens is unset")
+    chunked_prefill_size: int | None = option(
+        None,
+        "max prompt tokens prefilled per step (chunked prefill; default 8192 on a GPU of "
+        ">= 35 GiB, else 2048)",
     )
-    max_running_requests: int = field(default=256, metadata=_help("max requests decoding at once"))
-    max_prompt_tokens: int | None = field(
-        default=None, metadata=_help("refuse longer prompts (default: the context length)")
+    schedule_policy: str = option("lpm", "waiting-queue order", choices=SCHEDULE_POLICIES)
+    disable_radix_cache: bool = option(False, "turn the prefix cache off")
+    attention_backend: str = option(
+        "auto",
+        "attention implementation (auto: triton on CUDA, torch on the CPU)",
+        choices=ATTENTION_BACKENDS,
     )
-    max_new_tokens_cap: int | None = field(
-        default=None,
-        metadata=_help("refuse requests asking for more new tokens (default: the context length)"),
+    disable_cuda_graph: bool = option(False, "run decode steps eagerly instead of from CUDA graphs")
+    cuda_graph_max_bs: int | None = option(
+        None,
+        "largest decode batch captured in a CUDA graph (default min(256, max_running_requests))",
     )
-    max_grammar_chars: int = field(
-        default=MAX_SPEC_CHARS,
-        metadata=_help("refuse longer regex / json_schema / ebnf / structural_tag texts"),
+    disable_overlap_schedule: bool = option(
+        False,
+        "read back each step's tokens before launching the next forward (by default, on "
+        "CUDA, the next forward is launched first and the host work overlaps it)",
     )
-    chunked_prefill_size: int | None = field(
-        default=None,
-        metadata=_help(
-            "max prompt tokens prefilled per step (chunked prefill; default 8192 on a GPU of "
-            ">= 35 GiB, else 2048)"
-        ),
+    enable_overlap_schedule: bool = option(
+        False,
+        "run the overlap schedule on any device (by default on CUDA only: on a CPU the "
+        "forward is synchronous, so it only delays the outputs; for tests of its logic)",
     )
-    schedule_policy: str = field(
-        default="lpm", metadata=_help("waiting-queue order", choices=SCHEDULE_POLICIES)
+    disable_fused_sampling: bool = option(
+        False, "sample with the torch twin on CUDA too, not the fused Triton kernel"
     )
-    disable_radix_cache: bool = field(default=False, metadata=_help("turn the prefix cache off"))
-    attention_backend: str = field(
-        default="auto",
-        metadata=_help(
-            "attention implementation (auto: triton on CUDA, torch on the CPU)",
-            choices=ATTENTION_BACKENDS,
-        ),
+    grammar_backend: str = option(
+        "xgrammar,llguidance,outlines",
+        "grammar backends in fallback order, comma-separated (xgrammar, llguidance, "
+        "outlines; none = no grammar, a benchmark baseline)",
     )
-    disable_cuda_graph: bool = field(
-        default=False, metadata=_help("run decode steps eagerly instead of from CUDA graphs")
+    grammar_compile_timeout: float = option(30.0, "seconds a backend may compile one grammar")
+    constrained_json_disable_any_whitespace: bool = option(
+        False,
+        "JSON under a schema on one line with ', ' and ': ' (default: whitespace as the model "
+        f"writes it, compact or indented, at most {JSON_WHITESPACE_MAX} characters in a run)",
     )
-    cuda_graph_max_bs: int | None = field(
-        default=None,
-        metadata=_help(
-            "largest decode batch captured in a CUDA graph (default min(256, max_running_requests))"
-        ),
+    disable_jump_forward: bool = option(
+        False, "do not draft grammar-forced text for the model to verify"
     )
-    disable_overlap_schedule: bool = field(
-        default=False,
-        metadata=_help(
-            "read back each step's tokens before launching the next forward (by default, on "
-            "CUDA, the next forward is launched first and the host work overlaps it)"
-        ),
+    enable_jump_forward: bool = option(
+        False,
+        "draft grammar-forced text even where CUDA graphs replay the decode steps (off "
+        "there by default: a step that feeds a draft runs eagerly, for the whole batch, "
+        "and measured 0.36x the tokens/s of jump-forward off at batch 1)",
     )
-    enable_overlap_schedule: bool = field(
-        default=False,
-        metadata=_help(
-            "run the overlap schedule on any device (by default on CUDA only: on a CPU the "
-            "forward is synchronous, so it only delays the outputs; for tests of its logic)"
-        ),
-    )
-    disable_fused_sampling: bool = field(
-        default=False,
-        metadata=_help("sample with the torch twin on CUDA too, not the fused Triton kernel"),
-    )
-    grammar_backend: str = field(
-        default="xgrammar,llguidance,outlines",
-        metadata=_help(
-            "grammar backends in fallback order, comma-separated (xgrammar, llguidance, "
-            "outlines; none = no grammar, a benchmark baseline)"
-        ),
-    )
-    grammar_compile_timeout: float = field(
-        default=30.0, metadata=_help("seconds a backend may compile one grammar")
-    )
-    constrained_json_disable_any_whitespace: bool = field(
-        default=False,
-        metadata=_help(
-            "JSON under a schema on one line with ', ' and ': ' (default: whitespace as the "
-            f"model writes it, compact or indented, at most {JSON_WHITESPACE_MAX} characters in "
-            "a run)"
-        ),
-    )
-    disable_jump_forward: bool = field(
-        default=False, metadata=_help("do not draft grammar-forced text for the model to verify")
-    )
-    enable_jump_forward: bool = field(
-        default=False,
-        metadata=_help(
-            "draft grammar-forced text even where CUDA graphs replay the decode steps (off "
-            "there by default: a step that feeds a draft runs eagerly, for the whole batch, "
-            "and measured 0.36x the tokens/s of jump-forward off at batch 1)"
-        ),
-    )
-    random_seed: int = field(default=0, metadata=_help("seed for requests that set none"))
-    cache_dir: str | None = field(
-        default=None, metadata=_help("where converted GGUF models live (default ~/.cache/weft)")
-    )
-    num_threads: int | None = field(default=None, metadata=_help("CPU threads for torch"))
-    log_level: str = field(default="info", metadata=_help("logging level"))
-    show_progress: bool = field(default=True, metadata=_help("progress bars while loading"))
+    random_seed: int = option(0, "seed for requests that set none")
+    cache_dir: str | None = option(None, "where converted GGUF models live (default ~/.cache/weft)")
+    num_threads: int | None = option(None, "CPU threads for torch")
+    log_level: str = option("info", "logging level")
+    show_progress: bool = option(True, "progress bars while loading")
 
     def __post_init__(self) -> None:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)

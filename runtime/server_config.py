@@ -7,81 +7,64 @@ here and in `EngineConfig` only.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from weft.runtime.config import EngineConfig, _help
+from weft.runtime.config import EngineConfig, option
 
 DEFAULT_PORT = 30000
 
 
 @dataclass(frozen=True)
 class ServerConfig(EngineConfig):
-    host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
-    port: int = field(default=DEFAULT_PORT, metadata=_help("port to listen on (0 = any free port)"))
-    api_key: str | None = field(
-        default=None, metadata=_help("require 'Authorization: Bearer KEY' on every API route")
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(DEFAULT_PORT, "port to listen on (0 = any free port)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every API route")
+    api_keys_file: str | None = option(
+        None,
+        'JSON file {"KEY": "TENANT", ...}: each key is accepted, and tenants never share '
+        "prefix-cache entries (--api-key's tenant is 'default')",
     )
-    api_keys_file: str | None = field(
-        default=None,
-        metadata=_help(
-            'JSON file {"KEY": "TENANT", ...}: each key is accepted, and tenants never share '
-            "prefix-cache entries (--api-key's tenant is 'default')"
-        ),
+    admin_api_key: str | None = option(
+        None,
+        "with --api-keys-file, the only key that may call /flush_cache, /get_server_info and "
+        "abort other tenants' requests; accepted on every route (its tenant is 'admin')",
     )
-    admin_api_key: str | None = field(
-        default=None,
-        metadata=_help(
-            "with --api-keys-file, the only key that may call /flush_cache, /get_server_info and "
-            "abort other tenants' requests; accepted on every route (its tenant is 'admin')"
-        ),
+    max_queued_requests: int | None = option(
+        None,
+        "refuse requests with a 503 while this many samples wait for their first token "
+        "(default: unbounded)",
     )
-    max_queued_requests: int | None = field(
-        default=None,
-        metadata=_help(
-            "refuse requests with a 503 while this many samples wait for their first token "
-            "(default: unbounded)"
-        ),
+    request_timeout: float | None = option(
+        None, "seconds after which an unfinished request is aborted (default: never)"
     )
-    request_timeout: float | None = field(
-        default=None,
-        metadata=_help("seconds after which an unfinished request is aborted (default: never)"),
+    max_request_body_bytes: int = option(
+        32 * 1024 * 1024, "refuse larger request bodies with a 413"
     )
-    max_request_body_bytes: int = field(
-        default=32 * 1024 * 1024, metadata=_help("refuse larger request bodies with a 413")
+    served_model_name: str | None = option(
+        None, "model name in the OpenAI API (default: the model path)"
     )
-    served_model_name: str | None = field(
-        default=None, metadata=_help("model name in the OpenAI API (default: the model path)")
+    chat_template: str | None = option(
+        None, "chat template file or Jinja string (default: the tokenizer's own)"
     )
-    chat_template: str | None = field(
-        default=None,
-        metadata=_help("chat template file or Jinja string (default: the tokenizer's own)"),
+    enable_metrics: bool = option(False, "serve Prometheus /metrics")
+    request_log: str | None = option(
+        None, "append one JSON line per finished request to this file ('-' = stderr)"
     )
-    enable_metrics: bool = field(default=False, metadata=_help("serve Prometheus /metrics"))
-    request_log: str | None = field(
-        default=None,
-        metadata=_help("append one JSON line per finished request to this file ('-' = stderr)"),
-    )
-    log_prompts: bool = field(
-        default=False,
-        metadata=_help("put the prompt and output texts in the request log (off: counts only)"),
+    log_prompts: bool = option(
+        False, "put the prompt and output texts in the request log (off: counts only)"
     )
     # NOTE: as vLLM's --shutdown-timeout. Kubernetes kills a pod terminationGracePeriodSeconds
     # (30 by default) after its SIGTERM: raise that above this grace, or the drain is cut short.
-    shutdown_grace_s: float = field(
-        default=30.0,
-        metadata=_help(
-            "on SIGTERM, seconds running requests get to finish before they fail (0 = at once)"
-        ),
+    shutdown_grace_s: float = option(
+        30.0, "on SIGTERM, seconds running requests get to finish before they fail (0 = at once)"
     )
 
-    watchdog_timeout: float = field(
-        default=300.0,
-        metadata=_help(
-            "seconds the scheduler may hold requests without a step before the server fails "
-            "them and exits non-zero, for a supervisor to restart it (0 = never; /health "
-            "reports the stall sooner)"
-        ),
+    watchdog_timeout: float = option(
+        300.0,
+        "seconds the scheduler may hold requests without a step before the server fails "
+        "them and exits non-zero, for a supervisor to restart it (0 = never; /health "
+        "reports the stall sooner)",
     )
 
     def __post_init__(self) -> None:
