@@ -55,38 +55,6 @@ if TYPE_CHECKING:
     from weft.runtime.engine import Engine
     from weft.runtime.sampling_params import SamplingParams
 
-_DSL = (
-    "Backend",
-    "BackendError",
-    "ChoicesDecision",
-    "ChoicesSamplingMethod",
-    "OpenAIBackend",
-    "ProgramError",
-    "ProgramState",
-    "Runtime",
-    "RuntimeEndpoint",
-    "assistant",
-    "assistant_begin",
-    "assistant_end",
-    "flush_cache",
-    "function",
-    "gen",
-    "gen_int",
-    "gen_string",
-    "get_default_backend",
-    "get_server_info",
-    "greedy_token_selection",
-    "select",
-    "set_default_backend",
-    "system",
-    "system_begin",
-    "system_end",
-    "token_length_normalized",
-    "unconditional_likelihood_normalized",
-    "user",
-    "user_begin",
-    "user_end",
-)
 __all__ = [
     "Backend",
     "BackendError",
@@ -135,7 +103,7 @@ def __getattr__(name: str) -> Any:
         from weft.runtime.sampling_params import SamplingParams
 
         return SamplingParams
-    if name in _DSL:
+    if name in __all__:  # the DSL's names (Engine and SamplingParams are above)
         import weft.frontend
 
         return getattr(weft.frontend, name)
