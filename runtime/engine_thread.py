@@ -141,29 +141,24 @@ class EngineThread:
     def _run_once(self) -> bool:
         """Handle the inbox, then run one scheduler step; False once the engine has failed."""
         with self._step_lock:
+            if self._broken is not None:
+                return False
             self._stepper = threading.get_ident()
+            with self._cv:
+                inbox, self._inbox = self._inbox, []
             try:
-                return self._step()
+                while inbox:
+                    self._handle(inbox.pop(0))
+                if self.scheduler.has_work:
+                    self._dispatch(self.scheduler.step())
+            except BaseException as exc:
+                logger.exception("engine step failed")
+                with self._cv:
+                    self._broken = exc
+                self._fail_all(exc, inbox)
+                return False
             finally:
                 self._stepper = None
-
-    def _step(self) -> bool:
-        """The body of _run_once, under the step lock."""
-        if self._broken is not None:
-            return False
-        with self._cv:
-            inbox, self._inbox = self._inbox, []
-        try:
-            while inbox:
-                self._handle(inbox.pop(0))
-            if self.scheduler.has_work:
-                self._dispatch(self.scheduler.step())
-        except BaseException as exc:
-            logger.exception("engine step failed")
-            with self._cv:
-                self._broken = exc
-            self._fail_all(exc, inbox)
-            return False
         return True
 
     def _check_not_stepping(self, name: str) -> None:
