@@ -40,11 +40,23 @@ class Range:
 
     def check(self, name: str, value: Any) -> None:
         """RequestError naming `name` (the field as the caller spells it) when out of range."""
+        low, high = self.low, self.high
         if self.integer:
-            high = MAX_INT if self.high is None else int(self.high)
-            _int(name, value, int(self.low), high)
+            low, high = int(low), MAX_INT if high is None else int(high)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise RequestError(f"{name} must be an integer, got {value!r}", name)
+            if value < low:
+                raise RequestError(f"{name} must be >= {low}, got {value}", name)
+            if value > high:
+                raise RequestError(f"{name} must be <= {high}, got {value}", name)
         else:
-            _num(name, value, self.low, self.high)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise RequestError(f"{name} must be a number, got {value!r}", name)
+            if (isinstance(value, int) and abs(value) > MAX_INT) or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {value}", name)
+            if value < low or (high is not None and value > high):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise RequestError(f"{name} must be {bound}, got {value}", name)
         if self.open_low and value == self.low:
             raise RequestError(
                 f"{name} must be in ({self.low:g}, {self.high:g}], got {value:g}", name
@@ -246,12 +258,7 @@ class SamplingParams:
             )
         self._validate_stops(vocab_size, name("stop"), name("stop_token_ids"))
         self._validate_constraint(limits, name)
-        for flag in (
-            "ignore_eos",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-            "no_stop_trim",
-        ):
+        for flag in _BOOL_FIELDS:
             if not isinstance(getattr(self, flag), bool):
                 raise RequestError(
                     f"{name(flag)} must be a bool, got {getattr(self, flag)!r}", name(flag)
@@ -303,24 +310,7 @@ class SamplingParams:
                 raise InvalidConstraint(str(exc), name(given[0])) from None
 
 
-def _int(name: str, value: Any, low: int, high: int = MAX_INT) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RequestError(f"{name} must be an integer, got {value!r}", name)
-    if value < low:
-        raise RequestError(f"{name} must be >= {low}, got {value}", name)
-    if value > high:
-        raise RequestError(f"{name} must be <= {high}, got {value}", name)
-
-
-def _num(name: str, value: Any, low: float, high: float | None = None) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise RequestError(f"{name} must be a number, got {value!r}", name)
-    if (isinstance(value, int) and abs(value) > MAX_INT) or not math.isfinite(value):
-        raise RequestError(f"{name} must be a finite number, got {value}", name)
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise RequestError(f"{name} must be {bound}, got {value}", name)
-
-
-# the fields a caller sets (grammar is validate's parse of the constraint field)
+# the fields a caller sets (grammar is validate's parse of the constraint field); the flags
+# among them, which `validate` checks are bools
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"grammar"}
+_BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.type == "bool")
