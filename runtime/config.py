@@ -106,10 +106,10 @@ class EngineConfig:
     show_progress: bool = option(True, "progress bars while loading")
 
     def __post_init__(self) -> None:
-        _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for f in dataclasses.fields(self):  # the choices its CLI flag offers, if any
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
         for name in ("max_running_requests", "max_grammar_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -159,8 +159,3 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -60,8 +60,8 @@ class Engine(EngineThread):
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         started = time.perf_counter()
-        source = resolve_source(self.config)
-        self.scheduler = build_scheduler(self.config, source)
+        self.source = resolve_source(self.config)
+        self.scheduler = build_scheduler(self.config, self.source)
         self.tokenizer, self.end_ids = self.scheduler.tokenizer, self.scheduler.end_ids
         self.runner = self.scheduler.runner
         self.model_config = self.runner.model_config
@@ -72,7 +72,6 @@ class Engine(EngineThread):
             limits=self.config.request_limits,
         )
         self.intake = Intake(self.tokenizer, bounds)
-        self.source = source
         self._start_thread()
         logger.info("engine ready in %.1f s", time.perf_counter() - started)
 
@@ -221,13 +220,12 @@ class Engine(EngineThread):
 
 def _options_doc() -> str:
     """One line per Engine option, from EngineConfig's own help texts."""
-    lines = ["\n    Options (default):"]
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model_path":
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else "..."
-        lines.append(f"        {f.name} ({default!r}): {f.metadata.get('help', '')}")
-    return "\n".join(lines) + "\n"
+    lines = [
+        f"        {f.name} ({f.default!r}): {f.metadata['help']}"
+        for f in dataclasses.fields(EngineConfig)
+        if f.name != "model_path"
+    ]
+    return "\n    Options (default):\n" + "\n".join(lines) + "\n"
 
 
 Engine.__doc__ = (Engine.__doc__ or "") + _options_doc()
