@@ -54,16 +54,13 @@ class Detokenizer:
 
     def step(self, step: from_sched.Step) -> to_tm.TextStep:
         for s in step.starts:
-            self.samples[s.rid] = self._new_sample(s)
+            decoder = None
+            if self.tokenizer is not None:
+                decoder = IncrementalDecoder(
+                    self.tokenizer, s.skip_special_tokens, s.spaces_between_special_tokens
+                )
+            self.samples[s.rid] = _Sample(decoder, s.stop_hold)
         return to_tm.TextStep([self._update(u) for u in step.updates])
-
-    def _new_sample(self, start: from_sched.DecodeStart) -> _Sample:
-        decoder = None
-        if self.tokenizer is not None:
-            decoder = IncrementalDecoder(
-                self.tokenizer, start.skip_special_tokens, start.spaces_between_special_tokens
-            )
-        return _Sample(decoder, start.stop_hold)
 
     def _update(self, u: from_sched.TokenUpdate) -> to_tm.TextUpdate:
         sample = self.samples.get(u.rid)

@@ -154,7 +154,6 @@ class Intake:
         return self._token_chars
 
     def check_ids(self, ids: object, param: str) -> list[int]:
-        """A prompt given as token ids."""
         if not isinstance(ids, list):
             raise RequestError(f"{param} must be a non-empty list of token ids", param)
         if not ids:
@@ -218,14 +217,10 @@ class Intake:
                     f"length ({len(ids)})",
                     "logprob_start_len",
                 )
-        top_max = MAX_TOP_LOGPROBS_NUM
-        if (
-            not isinstance(top_logprobs_num, int)
-            or isinstance(top_logprobs_num, bool)
-            or not 0 <= top_logprobs_num <= top_max
-        ):
+        top, top_max = top_logprobs_num, MAX_TOP_LOGPROBS_NUM
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= top_max:
             raise RequestError(
-                f"top_logprobs_num must be an integer in [0, {top_max}], got {top_logprobs_num!r}",
+                f"top_logprobs_num must be an integer in [0, {top_max}], got {top!r}",
                 "top_logprobs_num",
             )
         return GenerateRequest(
@@ -243,13 +238,10 @@ def _encode_and_trim(
 ) -> list[list[int]]:
     ids = [encode_prompt(tokenizer, t, add_special) for t in texts]
     if sum(len(t) for t in texts) >= TRIM_AFTER_CHARS:
-        _malloc_trim()  # NOTE: glibc keeps the tokenizer's freed arenas (180 MiB once) otherwise
+        # NOTE: glibc keeps the tokenizer's freed arenas (180 MiB once) otherwise
+        with contextlib.suppress(OSError, AttributeError):  # not glibc
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
     return ids
-
-
-def _malloc_trim() -> None:
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def per_prompt(

@@ -135,8 +135,6 @@ class ModelRunner:
         return TorchAttention(self.kv_pool, self.req_to_token)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
-        """Decode graphs on CUDA with the Triton backend (the torch backend's decode gathers a
-        [B, context] slot table per step, too large to capture at the full context)."""
         max_bs = graph_max_bs(self.config, self.device, self.attention)
         if max_bs is None:
             return None
@@ -152,11 +150,10 @@ class ModelRunner:
         with torch.inference_mode():
             # NOTE: the logits of one row run the GEMV kernel with the lm_head's tiles: compiled
             # here, not on the first request that samples alone (a Triton compile takes seconds)
-            self.logits(
-                torch.zeros(
-                    (1, self.model_config.hidden_size), dtype=self.dtype, device=self.device
-                )
+            hidden = torch.zeros(
+                1, self.model_config.hidden_size, dtype=self.dtype, device=self.device
             )
+            self.logits(hidden)
         return graphs
 
     def _load_weights(self, source: ModelSource) -> None:

@@ -71,7 +71,7 @@ def sample_result(
         meta["grammar_backend"] = grammar.backend
         meta["jump_forward_tokens"] = grammar.jump_forward_tokens
     if logprobs is not None:
-        name = token_text or _no_text
+        name = token_text or (lambda tid: None)
         outputs, inputs = logprobs
         meta["output_token_logprobs"] = [(e[0], e[1], name(e[1])) for e in outputs]
         meta["output_top_logprobs"] = [_top(e, name) for e in outputs]
@@ -103,7 +103,3 @@ def _top(entry: LogprobEntry, text: TokenText) -> list[tuple[float, int, str | N
     if not entry[2]:
         return None
     return [(lp, tid, text(tid)) for lp, tid in entry[2]]
-
-
-def _no_text(tid: int) -> None:
-    return None

