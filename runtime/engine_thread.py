@@ -53,8 +53,8 @@ class _Call:
     """A function to run on the engine thread between steps (`Engine.call`)."""
 
     fn: Callable[[], Any]
-    box: dict[str, Any]
-    done: threading.Event
+    box: dict[str, Any] = field(default_factory=dict)  # its "value", or the "error" it raised
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 _Inbox: TypeAlias = _Submit | to_sched.Abort | _Call
@@ -85,15 +85,14 @@ class EngineThread:
         inline: it is between steps already, and posting fn would wait for itself forever."""
         if self._stepper == threading.get_ident():
             return fn()
-        box: dict[str, Any] = {}
-        done = threading.Event()
-        self._post(_Call(fn, box, done))
-        while not done.wait(0.5):
+        item = _Call(fn)
+        self._post(item)
+        while not item.done.wait(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the engine thread is not running")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        if "error" in item.box:
+            raise item.box["error"]
+        return item.box["value"]
 
     def shutdown(self) -> None:
         with self._cv:
@@ -108,7 +107,6 @@ class EngineThread:
         on_update: Callable[[dict[str, Any] | None], None] | None = None,
         final_only: bool = False,
     ) -> list[_Pending]:
-        """One message for the whole batch, so the scheduler sees it at once."""
         pendings = [
             _Pending(req.params.n, on_update=on_update, final_only=final_only) for req in reqs
         ]
@@ -270,8 +268,7 @@ class EngineThread:
             self._reject(pending, exc)
         self._pending.clear()
         with self._cv:
-            unhandled = unhandled + self._inbox
-            self._inbox = []
+            unhandled, self._inbox = unhandled + self._inbox, []
         stopped = RuntimeError(f"engine stopped: {exc}")
         for item in unhandled:
             match item:
