@@ -149,8 +149,7 @@ class EngineConfig:
     @property
     def request_limits(self) -> RequestLimits:
         return RequestLimits(
-            max_new_tokens=self.max_new_tokens_cap,
-            max_grammar_chars=self.max_grammar_chars,
+            max_new_tokens=self.max_new_tokens_cap, max_grammar_chars=self.max_grammar_chars
         )
 
     @property

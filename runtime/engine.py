@@ -113,10 +113,8 @@ class Engine(EngineThread):
         """Awaitable generation of one prompt (a list of n dicts if n > 1). Like `generate`, not
         from a loop on the engine's own thread."""
         self._check_not_stepping("async_generate")
-        outputs = [
-            o
-            async for o in self.generate_stream(prompt, sampling_params, final_only=True, **request)
-        ]
+        stream = self.generate_stream(prompt, sampling_params, final_only=True, **request)
+        outputs = [o async for o in stream]
         outputs.sort(key=lambda o: o["meta_info"]["index"])
         return outputs[0] if len(outputs) == 1 else outputs
 

@@ -47,8 +47,7 @@ class Bounds:
     def prompt_room(self) -> int:
         """The most tokens a prompt may have (the prompt and one new token must fit)."""
         context = self.context_length - 1
-        limit = self.max_prompt_tokens
-        return context if limit is None else min(limit, context)
+        return context if self.max_prompt_tokens is None else min(self.max_prompt_tokens, context)
 
 
 def check_rid(rid: object) -> str:

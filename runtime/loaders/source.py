@@ -27,12 +27,10 @@ class ModelSource:
 
 def resolve_source(config: EngineConfig) -> ModelSource:
     """Find (or build, for GGUF) the HF-layout folder the model loads from."""
-    from weft.runtime.loaders.default_model import default_cache_root
+    from weft.runtime.loaders.default_model import default_cache_root, default_model_gguf
 
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     if config.model_path is None:
-        from weft.runtime.loaders.default_model import default_model_gguf
-
         path = default_model_gguf(cache_root)
         display = "default:Qwen2.5-Coder-0.5B-Instruct"
     else:
