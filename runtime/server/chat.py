@@ -9,7 +9,6 @@ expect: `tools=[{"type": "function", "function": {...}}]`, assistant `tool_calls
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +78,10 @@ class ChatRenderer:
         if not messages:
             raise bad_request("messages must not be empty", "messages")
         plain = [_plain(m, i) for i, m in enumerate(messages)]
-        template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = (
-            list(tools) if tools else None
-        )
         try:
             text = self.tokenizer.apply_chat_template(
                 plain,
-                tools=template_tools,
+                tools=[*tools] if tools else None,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=self.template,

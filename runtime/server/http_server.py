@@ -184,6 +184,5 @@ def _model_info(tm: TokenizerManager, chat: ChatRenderer) -> dict[str, Any]:
 
 
 def _probe_token(tm: TokenizerManager) -> int:
-    tok = tm.tokenizer
-    bos = getattr(tok, "bos_token_id", None) if tok is not None else None
+    bos = getattr(tm.tokenizer, "bos_token_id", None)
     return int(bos) if bos is not None else 0

@@ -77,13 +77,10 @@ class ChildProcesses:
         # processes on a small CPU machine and run ~10x slower there; passive waiting costs
         # nothing measurable. Read by the children's OpenMP runtime at start (env inherited).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        detokenizer_args = (source.tokenizer_folder, config.log_level, ipc, me)
         targets: list[tuple[str, Any, tuple[Any, ...]]] = [
             ("scheduler", scheduler_main, (config, source, ipc, me)),
-            (
-                "detokenizer",
-                detokenizer_main,
-                (source.tokenizer_folder, config.log_level, ipc, me),
-            ),
+            ("detokenizer", detokenizer_main, detokenizer_args),
         ]
         for name, target, args in targets:
             proc = ctx.Process(target=target, args=args, name=f"weft-{name}", daemon=True)

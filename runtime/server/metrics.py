@@ -28,37 +28,8 @@ from prometheus_client.utils import floatToGoString
 
 from weft.runtime.server.errors import ERROR_KINDS
 
-_LATENCY_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-)
-_ITL_BUCKETS = (
-    0.002,
-    0.005,
-    0.01,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.2,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -68,10 +39,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "weft:num_requests",
-            "finished requests by finish reason",
-            ["finish_reason"],
-            registry=r,
+            "weft:num_requests", "finished requests by finish reason", ["finish_reason"], registry=r
         )
         self.prompt_tokens = Counter("weft:prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter("weft:generation_tokens", "generated tokens", registry=r)

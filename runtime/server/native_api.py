@@ -46,7 +46,7 @@ class GenerateReqInput(msgspec.Struct):
     return_text_in_logprobs: bool | None = None
     stream: bool | None = None
     cache_salt: Any = None  # prefix-cache namespace: no cache hit across different salts
-    # SGLang features weft does not have; accepted while null or false
+    # SGLang features weft does not have, UNSUPPORTED_FIELDS: accepted while null or false
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
@@ -58,17 +58,8 @@ class GenerateReqInput(msgspec.Struct):
     return_hidden_states: Any = None
 
 
-UNSUPPORTED_FIELDS = (
-    "image_data",
-    "video_data",
-    "audio_data",
-    "input_embeds",
-    "lora_path",
-    "session_params",
-    "custom_logit_processor",
-    "token_ids_logprob",
-    "return_hidden_states",
-)
+_FIELDS = GenerateReqInput.__struct_fields__
+UNSUPPORTED_FIELDS = _FIELDS[_FIELDS.index("image_data") :]
 
 
 @dataclass
@@ -96,19 +87,13 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
     reqs = []
     constraint_params = {}
     for i, ids in enumerate(ids_list):
-        where = (
-            "sampling_params"
-            if not isinstance(obj.sampling_params, list)
-            else f"sampling_params[{i}]"
-        )
+        where = "sampling_params" + (f"[{i}]" if isinstance(obj.sampling_params, list) else "")
         sp, explicit = parse_sampling_params(
             params[i], tm.info.vocab_size, where, tm.config.request_limits
         )
         if want[i] not in (None, True, False):
             raise bad_request("return_logprob must be a bool", "return_logprob")
-        start = None
-        if want[i]:
-            start = -1 if starts[i] is None else starts[i]
+        start = (-1 if starts[i] is None else starts[i]) if want[i] else None
         reqs.append(
             tm.build_request(
                 ids,
@@ -204,9 +189,7 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
             for state in states
             for i in range(len(state.samples))
         ]
-        if parsed.single and len(outs) == 1:
-            return json_response(outs[0])
-        return json_response(outs)
+        return json_response(outs[0] if parsed.single and len(outs) == 1 else outs)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

@@ -41,11 +41,7 @@ from weft.runtime.server.openai_protocol import (
 from weft.runtime.server.responses import client_gone, json_response
 from weft.runtime.server.sglang_params import check_constraint
 from weft.runtime.server.tokenizer_manager import TokenizerManager
-from weft.runtime.server.tool_calls import (
-    TOOL_NAME,
-    plan_tools,
-    strict_schema,
-)
+from weft.runtime.server.tool_calls import check_flag, check_name, plan_tools, strict_schema
 
 MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -97,14 +93,8 @@ def response_format_constraint(fmt: Any, max_chars: int = MAX_SPEC_CHARS) -> str
     where = "response_format.json_schema"
     if not isinstance(spec, dict):
         raise bad_request(f"{where} must be an object with name and schema", where)
-    name = spec.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise bad_request(
-            f"{where}.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}", f"{where}.name"
-        )
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise bad_request(f"{where}.strict must be a boolean", f"{where}.strict")
+    check_name(spec.get("name"), f"{where}.name")
+    strict = check_flag(spec.get("strict"), f"{where}.strict")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         what = "is missing" if schema is None else "must be a JSON schema object"
@@ -148,11 +138,8 @@ def _sampling(
         raise not_supported("logit_bias", "logit_bias")
     if max_tokens is not None and max_tokens < 0:
         raise bad_request(f"{max_tokens_param} must be >= 0, got {max_tokens}", max_tokens_param)
-    values: dict[str, Any] = {}
-    for src, dst in _SAMPLING_FIELDS.items():
-        value = getattr(req, src)
-        if value is not None:
-            values[dst] = value
+    pairs = ((dst, getattr(req, src)) for src, dst in _SAMPLING_FIELDS.items())
+    values: dict[str, Any] = {dst: value for dst, value in pairs if value is not None}
     if constraint is not None:
         values[constraint[0]] = constraint[1]
     explicit = max_tokens is not None

@@ -27,8 +27,7 @@ def _finish_reason(sample: Sample) -> str | None:
 
 
 def _matched_stop(sample: Sample) -> int | str | None:
-    reason = sample.finish_reason or {}
-    return reason.get("matched")
+    return (sample.finish_reason or {}).get("matched")
 
 
 def _cut_off(sample: Sample) -> bool:
@@ -84,8 +83,8 @@ class Job:
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(s.prompt_tokens for s in self.states)
-        completion = sum(len(x.output_ids) for s in self.states for x in s.samples)
-        cached = sum(min(x.cached_tokens for x in s.samples) for s in self.states)
+        completion = sum(s.completion_tokens for s in self.states)
+        cached = sum(s.cached_tokens for s in self.states)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -121,13 +120,15 @@ class Job:
             choice["finish_reason"] = finish_reason
             choice["matched_stop"] = _matched_stop(s)
             choices.append(choice)
+        return {**self._head(self.OBJECT, choices), "usage": self.usage()}
+
+    def _head(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.ID_PREFIX + self.id,
-            "object": self.OBJECT,
+            "object": kind,
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": self.usage(),
         }
 
     # ---- streams ----------------------------------------------------------------------------
@@ -135,13 +136,7 @@ class Job:
     def _chunk(
         self, choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False
     ) -> bytes:
-        body: dict[str, Any] = {
-            "id": self.ID_PREFIX + self.id,
-            "object": self.CHUNK_OBJECT,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        body = self._head(self.CHUNK_OBJECT, choices)
         if with_usage:
             body["usage"] = usage
         return sse(body)

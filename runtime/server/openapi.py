@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -72,6 +73,13 @@ def _ref(name: str) -> dict[str, Any]:
     return {"$ref": _REF.format(name=name)}
 
 
+def _object(properties: dict[str, Any], required: Sequence[str] | None = None) -> dict[str, Any]:
+    """An object schema; `required` defaults to every property."""
+    schema = {"type": "object", "properties": properties}
+    names = list(properties) if required is None else list(required)
+    return {**schema, "required": names} if names else schema
+
+
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     """`schema` or null (a null field means its default)."""
     if not schema or schema == NULL:
@@ -82,7 +90,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _one_or_list(schema: dict[str, Any]) -> dict[str, Any]:
     """A value for every prompt, or a list with one per prompt of a batch."""
-    return _nullable({"anyOf": [schema, {"type": "array", "items": schema, "minItems": 1}]})
+    return _nullable({"anyOf": [schema, _list_of(schema)]})
 
 
 def _with_range(name: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -125,41 +133,23 @@ def _request_schemas() -> dict[str, Any]:
     chat["tool_choice"] = _nullable({"anyOf": [STRING, OBJECT]})
     for props in (completion["properties"], chat):
         props["logit_bias"] = _nullable({"type": "object", "maxProperties": 0})
-    components["ResponseFormat"] = {
-        "type": "object",
-        "properties": {
+    json_schema = {
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+        "schema": OBJECT,
+        "strict": _nullable(BOOL),
+    }
+    components["ResponseFormat"] = _object(
+        {
             "type": {"enum": list(RESPONSE_FORMATS)},
-            "json_schema": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-                    "schema": OBJECT,
-                    "strict": _nullable(BOOL),
-                },
-                "required": ["name", "schema"],
-            },
+            "json_schema": _object(json_schema, ["name", "schema"]),
         },
-        "required": ["type"],
-    }
-    components["Tool"] = {
-        "type": "object",
-        "properties": {
-            "type": {"const": "function"},
-            "function": {
-                "type": "object",
-                "properties": {"name": STRING, "description": STRING, "parameters": OBJECT},
-                "required": ["name"],
-            },
-        },
-        "required": ["type", "function"],
-    }
-    components["AbortRequest"] = {
-        "type": "object",
-        "properties": {
-            "rid": TEXT,
-            "abort_all": BOOL,
-        },
-    }
+        ["type"],
+    )
+    function = {"name": STRING, "description": STRING, "parameters": OBJECT}
+    components["Tool"] = _object(
+        {"type": {"const": "function"}, "function": _object(function, ["name"])}
+    )
+    components["AbortRequest"] = _object({"rid": TEXT, "abort_all": BOOL}, [])
     return components
 
 
@@ -200,72 +190,37 @@ def _list_of(item: dict[str, Any]) -> dict[str, Any]:
 
 # ---- responses ------------------------------------------------------------------------------
 
-ERROR = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                "message": STRING,
-                "type": STRING,
-                "param": _nullable(STRING),
-                "code": _nullable(STRING),
-            },
-            "required": ["message", "type", "param", "code"],
-        }
-    },
-    "required": ["error"],
-}
-_USAGE = {
-    "type": "object",
-    "properties": {
-        "prompt_tokens": INT,
-        "completion_tokens": INT,
-        "total_tokens": INT,
-    },
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-}
+_ERROR_BODY = _object(
+    {"message": STRING, "type": STRING, "param": _nullable(STRING), "code": _nullable(STRING)}
+)
+ERROR = _object({"error": _ERROR_BODY})
+_USAGE = _object({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT})
 RESPONSE_SCHEMAS: dict[str, Any] = {
     "Error": ERROR,
-    "GenerateOutput": {
-        "type": "object",
-        "properties": {
-            "text": STRING,
-            "output_ids": {"type": "array", "items": INT},
-            "meta_info": OBJECT,
-        },
-        "required": ["text", "output_ids", "meta_info"],
-    },
-    "Completion": {
-        "type": "object",
-        "properties": {
+    "GenerateOutput": _object(
+        {"text": STRING, "output_ids": {"type": "array", "items": INT}, "meta_info": OBJECT}
+    ),
+    "Completion": _object(
+        {
             "id": STRING,
             "object": {"enum": ["text_completion", "chat.completion"]},
             "created": INT,
             "model": STRING,
             "choices": {"type": "array", "items": OBJECT},
             "usage": _USAGE,
-        },
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-    },
-    "Model": {
-        "type": "object",
-        "properties": {"id": STRING, "object": {"const": "model"}, "owned_by": STRING},
-        "required": ["id", "object"],
-    },
-    "ModelList": {
-        "type": "object",
-        "properties": {
-            "object": {"const": "list"},
-            "data": {"type": "array", "items": _ref("Model")},
-        },
-        "required": ["object", "data"],
-    },
+        }
+    ),
+    "Model": _object(
+        {"id": STRING, "object": {"const": "model"}, "owned_by": STRING}, ["id", "object"]
+    ),
+    "ModelList": _object(
+        {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}
+    ),
 }
 
 
 # One event of a stream: a JSON chunk (an error object ends a failed stream), then "[DONE]".
-_SSE_EVENT = {"type": "object", "properties": {"data": STRING}, "required": ["data"]}
+_SSE_EVENT = _object({"data": STRING})
 
 
 def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -353,7 +308,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {
             "200": _json(
                 "the prompt the chat template makes of the messages",
-                {"type": "object", "properties": {"text": STRING}, "required": ["text"]},
+                _object({"text": STRING}),
             ),
             "400": _INVALID,
             "413": _TOO_LARGE,
@@ -365,7 +320,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {
             "200": _json(
                 "aborted (with tenants: a tenant's own requests; the admin key: anyone's)",
-                {"type": "object", "properties": {"success": BOOL}},
+                _object({"success": BOOL}, []),
             ),
             "400": _INVALID,
             "404": _error("no running request has this rid"),

@@ -29,7 +29,6 @@ class Sample:
     finished_at: float | None = None
     # what the consumer has not seen yet (a stream sends one chunk per wake-up, not per token)
     dirty: bool = False
-    new_logprobs_from: int = 0
 
     @property
     def finished(self) -> bool:
@@ -98,10 +97,8 @@ class ReqState:
 
     @property
     def e2e_latency(self) -> float | None:
-        ends = [s.finished_at for s in self.samples]
-        if any(e is None for e in ends):
-            return None
-        return max(e for e in ends if e is not None) - self.created
+        ends = [s.finished_at for s in self.samples if s.finished_at is not None]
+        return max(ends) - self.created if len(ends) == len(self.samples) else None
 
 
 def request_error(state: ReqState, param: str | None = None) -> ApiError | None:

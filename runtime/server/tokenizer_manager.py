@@ -31,13 +31,7 @@ from weft.runtime.ipc import exit_status
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as from_detok
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
-from weft.runtime.messages.common import (
-    Fatal,
-    Heartbeat,
-    ModelInfo,
-    Ready,
-    Reply,
-)
+from weft.runtime.messages.common import Fatal, Heartbeat, ModelInfo, Ready, Reply
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.errors import ApiError, bad_request
 from weft.runtime.server.liveness import HEARTBEAT_TIMEOUT_S, SchedulerClock
@@ -191,31 +185,18 @@ class TokenizerManager:
         ids: list[int],
         params: SamplingParams,
         *,
-        max_tokens_explicit: bool,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int = 0,
-        rid: str | None = None,
-        prompt_param: str = "text",
-        max_tokens_param: str = "max_new_tokens",
         cache_salt: object = None,
         tenant: str | None = None,
+        **fields: Any,
     ) -> to_sched.GenerateRequest:
-        """The intake's request, in the caller's prefix-cache namespace."""
+        """The intake's request (`fields`: `Intake.build`'s), in the caller's prefix-cache
+        namespace."""
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
-        return self.intake.build(
-            ids,
-            params,
-            max_tokens_explicit=max_tokens_explicit,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            rid=rid,
-            prompt_param=prompt_param,
-            max_tokens_param=max_tokens_param,
-            # NOTE: the prefix cache only matches within a namespace: requests of another
-            # tenant, or with another salt, never reuse this one's KV (nor it theirs)
-            namespace=cache_namespace(tenant, cache_salt),
-        )
+        # NOTE: the prefix cache only matches within a namespace: requests of another tenant,
+        # or with another salt, never reuse this one's KV (nor it theirs)
+        namespace = cache_namespace(tenant, cache_salt)
+        return self.intake.build(ids, params, namespace=namespace, **fields)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -356,10 +337,7 @@ class TokenizerManager:
                 raise state.error
 
     async def query(
-        self,
-        msg_type: type[to_sched.GetServerInfo]
-        | type[to_sched.FlushCache]
-        | type[to_sched.GetMetrics],
+        self, msg_type: type[to_sched.GetServerInfo | to_sched.FlushCache | to_sched.GetMetrics]
     ) -> dict[str, Any]:
         self.check_alive()
         if self._clock.silent_s > HEARTBEAT_TIMEOUT_S:
@@ -459,11 +437,9 @@ class TokenizerManager:
         completion, cached = state.completion_tokens, state.cached_tokens
         self.totals.add(state.prompt_tokens, cached, completion)
         if self.metrics is not None:
-            latency = state.e2e_latency
-            reason = state.samples[0].finish_reason or {}
-            self.metrics.request_done(
-                state.prompt_tokens, completion, cached, latency or 0.0, reason.get("type", "")
-            )
+            reason = (state.samples[0].finish_reason or {}).get("type", "")
+            latency = state.e2e_latency or 0.0
+            self.metrics.request_done(state.prompt_tokens, completion, cached, latency, reason)
         self._record(state)
 
     def _record(self, state: ReqState) -> None:
@@ -481,10 +457,9 @@ class TokenizerManager:
             self.request_log.write(request_record(state, prompt))
 
     def stats(self) -> dict[str, Any]:
-        totals = dataclasses.asdict(self.totals)
         return {
             "num_pending": len(self.states),
             "num_queued": self.num_queued,
-            **totals,
+            **dataclasses.asdict(self.totals),
             "cache_hit_rate": self.totals.cache_hit_rate,
         }

@@ -58,41 +58,41 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
             raise bad_request(
                 f"{where}.type must be 'function', got {tool.get('type')!r}", f"{where}.type"
             )
-        fn = tool.get("function")
+        fn, at = tool.get("function"), f"{where}.function"
         if not isinstance(fn, dict):
-            raise bad_request(f"{where}.function must be an object", f"{where}.function")
-        name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise bad_request(
-                f"{where}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}",
-                f"{where}.function.name",
-            )
+            raise bad_request(f"{at} must be an object", at)
+        name = check_name(fn.get("name"), f"{at}.name")
         if name in seen:
-            raise bad_request(
-                f"{where}.function.name {name!r} is given twice", f"{where}.function.name"
-            )
+            raise bad_request(f"{at}.name {name!r} is given twice", f"{at}.name")
         seen.add(name)
         clean: dict[str, Any] = {"name": name}
         description = fn.get("description")
         if description is not None:
             if not isinstance(description, str):
-                raise bad_request(
-                    f"{where}.function.description must be a string",
-                    f"{where}.function.description",
-                )
+                raise bad_request(f"{at}.description must be a string", f"{at}.description")
             clean["description"] = description
-        parameters = _check_parameters(fn.get("parameters"), f"{where}.function")
-        strict = fn.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise bad_request(
-                f"{where}.function.strict must be a boolean", f"{where}.function.strict"
-            )
+        parameters = _check_parameters(fn.get("parameters"), at)
+        strict = check_flag(fn.get("strict"), f"{at}.strict")
         # the template shows the model the schema its arguments are held to
         clean["parameters"] = (
-            strict_schema(parameters, f"{where}.function.parameters") if strict else parameters
+            strict_schema(parameters, f"{at}.parameters") if strict else parameters
         )
         out.append({"type": "function", "function": clean})
     return out
+
+
+def check_name(name: Any, param: str) -> str:
+    """A function's (or a response format's) name, as OpenAI allows it; a 400 names `param`."""
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise bad_request(f"{param} must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}", param)
+    return name
+
+
+def check_flag(value: Any, param: str) -> bool | None:
+    """An optional boolean; a 400 names `param`."""
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{param} must be a boolean", param)
+    return value
 
 
 def _check_parameters(value: Any, where: str) -> dict[str, Any]:
@@ -252,8 +252,7 @@ def plan_tools(
     choice = check_tool_choice(tool_choice, [t["function"]["name"] for t in checked])
     if choice.mode == "none":
         return None
-    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    check_flag(parallel_tool_calls, "parallel_tool_calls")
     fmt = detect_format(template)
     if fmt is None:
         raise bad_request(
