@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634  # the kernels keep scores in base 2: exp(x) = exp2(x * LOG2E)
+
 
 def token_slots(req_to_token: torch.Tensor, row: int, seq_len: int, page_size: int) -> torch.Tensor:
     """Slots [seq_len] int64 of positions 0 .. seq_len-1 of the request in `row`."""

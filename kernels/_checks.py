@@ -45,6 +45,17 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     check(t.shape == shape, "{}: expected shape {}, got {}", name, shape, tuple(t.shape))
 
 
+def check_out(
+    out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, name: str = "out"
+) -> torch.Tensor:
+    """An output buffer of `shape` with like's dtype and device: `out` once checked, else new."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    check_tensor(name, out, len(shape), (like.dtype,), like.device)
+    check_shape(name, out, shape)
+    return out
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

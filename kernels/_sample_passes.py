@@ -126,16 +126,9 @@ def _search(
         z_acc = tl.zeros([1, CHUNKS, 32], dtype=tl.float32)
         for i in range(0, chunk_words):
             word = (chunk * chunk_words + i)[None, :, None]
+            word_ok = word < words_v
             _, logit, allowed = _load_words(
-                l_row,
-                m_row,
-                word,
-                lane3,
-                word < words_v,
-                vocab,
-                num_words,
-                is_constrained,
-                HAS_MASK,
+                l_row, m_row, word, lane3, word_ok, vocab, num_words, is_constrained, HAS_MASK
             )
             lm = tl.where(allowed, logit, float("-inf"))
             e = tl.exp2((lm - row_max) * scale)
@@ -207,18 +200,7 @@ def _compact(
 
 @triton.jit
 def _buffer_theta(
-    buf_v,
-    n,
-    row_max,
-    scale,
-    z,
-    n_above,
-    m_above,
-    top_k,
-    need_k,
-    top_p,
-    need_p,
-    CAP: tl.constexpr,
+    buf_v, n, row_max, scale, z, n_above, m_above, top_k, need_k, top_p, need_p, CAP: tl.constexpr
 ):
     """theta from the n buffered tokens, the top of (lo, hi]; n_above tokens of mass
     m_above lie above them (0, 0 when the buffer holds all tokens above lo)."""
@@ -298,16 +280,9 @@ def _draw_chunks(
 
     wi = tl.arange(0, CHUNK_WORDS)[:, None]
     word = c * chunk_words + wi
+    word_ok = (wi < chunk_words) & (word < words_v)
     tok, logit, allowed = _load_words(
-        l_row,
-        m_row,
-        word,
-        lane,
-        (wi < chunk_words) & (word < words_v),
-        vocab,
-        num_words,
-        is_constrained,
-        HAS_MASK,
+        l_row, m_row, word, lane, word_ok, vocab, num_words, is_constrained, HAS_MASK
     )
     w = _kept_mass(tl.where(allowed, logit, float("-inf")), row_max, scale, theta, min_p)
     word_mass = tl.sum(w, 1)

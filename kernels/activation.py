@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from weft.kernels._checks import FLOAT_DTYPES, check, check_shape, check_tensor, next_pow2
+from weft.kernels._checks import FLOAT_DTYPES, check, check_out, check_tensor, next_pow2
 
 
 @triton.jit
@@ -39,10 +39,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     num_tokens, width = x.shape
     check(width % 2 == 0, "x: last dim {} must be even (gate and up halves)", width)
     inter = width // 2
-    if out is None:
-        out = torch.empty((num_tokens, inter), dtype=x.dtype, device=dev)
-    check_tensor("out", out, 2, (x.dtype,), dev)
-    check_shape("out", out, (num_tokens, inter))
+    out = check_out(out, (num_tokens, inter), x)
     if num_tokens == 0 or inter == 0:
         return out
     block = min(next_pow2(inter), 1024)

@@ -22,18 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels._attn import dot, load_slots, token_slots
+from weft.kernels._attn import LOG2E, dot, load_slots, token_slots
 from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check,
+    check_out,
     check_shape,
     check_tensor,
     dot_mode,
     next_pow2,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -112,11 +111,8 @@ def _decode_split_kernel(
         n_mask = pos < end
         slots = load_slots(table_row, pos, n_mask, PAGE_SIZE)  # [BN] int64
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_tile = tl.load(
-            k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BN, BD]
+        k_ptrs = k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+        k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
         scores = dot(q_tile, tl.trans(k_tile), UPCAST, PRECISION) * qk_scale
         # every tile holds >= 1 position < end, so each row keeps a finite max
         scores = tl.where(n_mask[None, :], scores, float("-inf"))  # [BH, BN]
@@ -124,11 +120,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = tl.load(
-            v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BN, BD]
+        v_ptrs = v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+        v_tile = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
         pv = dot(p.to(v_tile.dtype), v_tile, UPCAST, PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -168,27 +161,16 @@ def _decode_merge_kernel(
     start, end = _split_bounds(seq_len, offs_s, num_splits, BLOCK_N)
     # only splits that stage 1 wrote: in range and non-empty
     valid = (offs_s < num_splits) & (start < end)
-    lse = tl.load(
-        mid_lse + b * stride_ml_b + head * stride_ml_h + offs_s, mask=valid, other=float("-inf")
-    )
+    ml_ptrs = mid_lse + b * stride_ml_b + head * stride_ml_h + offs_s
+    lse = tl.load(ml_ptrs, mask=valid, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(valid, tl.exp2(lse - m), 0.0)  # where(): lse - m is NaN when nothing is valid
-    parts = tl.load(
-        mid_o
-        + b * stride_mo_b
-        + head * stride_mo_h
-        + offs_s[:, None] * stride_mo_s
-        + offs_d[None, :],
-        mask=valid[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [BS, BD]
+    mo_ptrs = mid_o + b * stride_mo_b + head * stride_mo_h + offs_s[:, None] * stride_mo_s
+    parts = tl.load(mo_ptrs + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(w, 0)
     merged = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # seq_len 0 -> 0
-    tl.store(
-        out + b * stride_ob + head * stride_oh + offs_d,
-        merged.to(out.dtype.element_ty),
-        mask=d_mask,
-    )
+    o_ptrs = out + b * stride_ob + head * stride_oh + offs_d
+    tl.store(o_ptrs, merged.to(out.dtype.element_ty), mask=d_mask)
 
 
 def _scratch(numel: int, device: torch.device) -> torch.Tensor:
@@ -253,10 +235,7 @@ def decode_attention(
     check(num_heads % num_kv_heads == 0, "Hq={} not a multiple of Hkv={}", num_heads, num_kv_heads)
     check(page_size >= 1, "page_size must be >= 1, got {}", page_size)
     check(block_n >= 16 and block_n == next_pow2(block_n), "bad block_n {}", block_n)
-    if out is None:
-        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=dev)
-    check_tensor("out", out, 3, (q.dtype,), dev)
-    check_shape("out", out, (batch, num_heads, head_dim))
+    out = check_out(out, (batch, num_heads, head_dim), q)
     if batch == 0:
         return out
     if num_kv_splits is None:

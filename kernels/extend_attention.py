@@ -18,18 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels._attn import dot, load_slots, token_slots
+from weft.kernels._attn import LOG2E, dot, load_slots, token_slots
 from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check,
+    check_out,
     check_shape,
     check_tensor,
     dot_mode,
     next_pow2,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -81,11 +80,8 @@ def _extend_kernel(
     d_mask = offs_d < HEAD_DIM
     q_pos = prefix + offs_m  # absolute positions of the queries
     q_rows = q_start + offs_m
-    q_tile = tl.load(
-        q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [BM, BD]
+    q_ptrs = q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BM, BD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -96,11 +92,8 @@ def _extend_kernel(
         n_mask = pos < end
         slots = load_slots(table_row, pos, n_mask, PAGE_SIZE)  # [BN] int64
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_tile = tl.load(
-            k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BN, BD]
+        k_ptrs = k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+        k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
         scores = dot(q_tile, tl.trans(k_tile), UPCAST, PRECISION) * qk_scale  # [BM, BN]
         # NOTE: key 0 is visible to every query and lies in the first tile, so after it each row
         # has a finite running max and fully masked later tiles contribute exp2(-inf) = 0.
@@ -112,11 +105,8 @@ def _extend_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = tl.load(
-            v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BN, BD]
+        v_ptrs = v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+        v_tile = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
         acc = acc * alpha[:, None] + dot(p.to(v_tile.dtype), v_tile, UPCAST, PRECISION)
         m_i = m_new
 
@@ -185,10 +175,7 @@ def extend_attention(
     num_stages = num_stages or default_stages
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         check(blk >= 16 and blk == next_pow2(blk), "bad {} {}", name, blk)
-    if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=dev)
-    check_tensor("out", out, 3, (q.dtype,), dev)
-    check_shape("out", out, (num_tokens, num_heads, head_dim))
+    out = check_out(out, (num_tokens, num_heads, head_dim), q)
     if batch == 0 or max_extend_len == 0:
         return out
 

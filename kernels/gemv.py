@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from weft.kernels._checks import FLOAT_DTYPES, check, check_shape, check_tensor
+from weft.kernels._checks import FLOAT_DTYPES, check, check_out, check_shape, check_tensor
 
 
 @triton.jit
@@ -86,10 +86,7 @@ def gemv(
     if bias is not None:
         check_tensor("bias", bias, 1, (x.dtype,), dev)
         check_shape("bias", bias, (n,))
-    if out is None:
-        out = torch.empty((1, n), dtype=x.dtype, device=dev)
-    check_tensor("out", out, 2, (x.dtype,), dev)
-    check_shape("out", out, (1, n))
+    out = check_out(out, (1, n), x)
     if n == 0:
         return out
     if k == 0:

@@ -63,11 +63,11 @@ import importlib.util
 import torch
 
 from weft.kernels._checks import INDEX_DTYPES, check, check_shape, check_tensor, next_pow2
+from weft.runtime.sampling_params import GREEDY_TEMPERATURE
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 LOG2E = 1.4426950408889634
-GREEDY_TEMPERATURE = 1e-5  # a row with temperature below this is greedy
 
 if HAS_TRITON:  # NOTE: the torch twin (the CPU path) must import where Triton is not installed
     import triton
@@ -169,6 +169,7 @@ if HAS_TRITON:  # NOTE: the torch twin (the CPU path) must import where Triton i
             p = tl.load(top_p + row)
             mp = tl.load(min_p + row)
             u = tl.load(uniform + row)
+            bv, bi = buf_v + row * CAP, buf_i + row * CAP  # the row's buffer: values, ids
             need_k = (k > 0) & (k < n_allowed)
             need_p = p < 1.0
             theta = tl.full([], float("-inf"), tl.float32)
@@ -206,8 +207,8 @@ if HAS_TRITON:  # NOTE: the torch twin (the CPU path) must import where Triton i
                     _compact(
                         l_row,
                         m_row,
-                        buf_v + row * CAP,
-                        buf_i + row * CAP,
+                        bv,
+                        bi,
                         vocab,
                         chunk_words,
                         num_words,
@@ -221,27 +222,16 @@ if HAS_TRITON:  # NOTE: the torch twin (the CPU path) must import where Triton i
                     )
                     tl.debug_barrier()  # the buffer's writes, visible to every thread
                     if z < 0:  # no search pass: the buffer holds all of A
-                        z = _buffer_mass(buf_v + row * CAP, n_buf, row_max, scale, CAP)
+                        z = _buffer_mass(bv, n_buf, row_max, scale, CAP)
+                    n_above = tl.where(in_buffer, 0, n_hi)  # tokens above the buffered ones
+                    m_above = tl.where(in_buffer, 0.0, m_hi)
                     theta_buf = _buffer_theta(
-                        buf_v + row * CAP,
-                        n_buf,
-                        row_max,
-                        scale,
-                        z,
-                        tl.where(in_buffer, 0, n_hi),
-                        tl.where(in_buffer, 0.0, m_hi),
-                        k,
-                        need_k,
-                        p,
-                        need_p,
-                        CAP,
+                        bv, n_buf, row_max, scale, z, n_above, m_above, k, need_k, p, need_p, CAP
                     )
                     # no token in (lo, hi]: any value there keeps the same set
                     theta = tl.where(n_buf > 0, theta_buf, theta)
             if in_buffer:
-                chosen = _draw_buffer(
-                    buf_v + row * CAP, buf_i + row * CAP, n_lo, row_max, scale, theta, mp, u, CAP
-                )
+                chosen = _draw_buffer(bv, bi, n_lo, row_max, scale, theta, mp, u, CAP)
             else:
                 chosen = _draw_chunks(
                     l_row,
@@ -286,12 +276,8 @@ def check_args(
     check(vocab >= 1, "logits: empty vocabulary")
     if bitmask is not None:
         check_tensor("bitmask", bitmask, 2, (torch.int32,), dev)
-        check(
-            bitmask.shape[0] == batch,
-            "bitmask: {} rows for {} logits rows",
-            bitmask.shape[0],
-            batch,
-        )
+        rows = bitmask.shape[0]
+        check(rows == batch, "bitmask: {} rows for {} logits rows", rows, batch)
     if constrained is not None:
         check(bitmask is not None, "constrained rows given without a bitmask")
         check_tensor("constrained", constrained, 1, (torch.bool,), dev)
@@ -351,13 +337,8 @@ def masked_sample(
         ("num_candidates", num_candidates, 2),
         ("capacity", capacity, 16),
     ):
-        check(
-            value >= least and value == next_pow2(value),
-            "{} must be a power of 2 >= {}, got {}",
-            name,
-            least,
-            value,
-        )
+        ok = value >= least and value == next_pow2(value)
+        check(ok, "{} must be a power of 2 >= {}, got {}", name, least, value)
     ids = torch.empty(batch, dtype=torch.int64, device=dev)
     logprobs = torch.empty(batch, dtype=torch.float32, device=dev) if want_logprobs else None
     if batch == 0:

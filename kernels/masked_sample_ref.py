@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from weft.grammars.bitmask import allowed_tokens, count_allowed
-from weft.kernels.masked_sample import GREEDY_TEMPERATURE, LOG2E, check_args
+from weft.kernels.masked_sample import LOG2E, check_args
+from weft.runtime.sampling_params import GREEDY_TEMPERATURE
 
 
 def masked_sample_reference(

@@ -18,6 +18,7 @@ from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check,
+    check_out,
     check_shape,
     check_tensor,
     next_pow2,
@@ -85,10 +86,7 @@ def apply_rotary(
     check_shape("sin", sin, tuple(cos.shape))
     check_tensor("positions", positions, 1, INDEX_DTYPES, dev)
     check_shape("positions", positions, (num_tokens,))
-    if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=dev)
-    check_tensor("out", out, 3, (x.dtype,), dev)
-    check_shape("out", out, (num_tokens, num_heads, head_dim))
+    out = check_out(out, (num_tokens, num_heads, head_dim), x)
     if num_tokens == 0:
         return out
     block_half = next_pow2(half)

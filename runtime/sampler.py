@@ -92,29 +92,20 @@ def _draw(
     # NOTE: one row per parameter, each padded to 16 bytes: Triton specializes the kernel on
     # its pointers' 16-byte alignment, and the columns of a [B, 4] tensor are aligned or not
     # depending on B (one row: views at 4-byte offsets), so a lone row compiled it anew (~7 s)
-    width = -(-len(params) // 4) * 4
-    table = torch.zeros((4, width), dtype=torch.float32)
-    table[:, : len(params)] = torch.tensor(
-        [[p.temperature, p.top_p, p.min_p, p.top_k] for p in params], dtype=torch.float32
-    ).T
-    host = _to_device(table, device)
+    n = len(params)
+    table = torch.zeros((4, -(-n // 4) * 4), dtype=torch.float32)
+    values = [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]
+    table[:, :n] = torch.tensor(values, dtype=torch.float32).T
+    temperature, top_k, top_p, min_p = _to_device(table, device)[:, :n]
     words, constrained = None, None
     if bitmask is not None:
         words, rows = bitmask
         flags = torch.zeros(len(reqs), dtype=torch.bool)
         flags[rows] = True
         constrained = _to_device(flags, device)
-    ids, _ = kernel(
-        logits.float().contiguous(),
-        words,
-        constrained,
-        host[0, : len(params)],
-        host[3, : len(params)].to(torch.int32),
-        host[1, : len(params)],
-        host[2, : len(params)],
-        uniform,
-    )
-    return ids
+    logits = logits.float().contiguous()
+    top_k = top_k.to(torch.int32)
+    return kernel(logits, words, constrained, temperature, top_k, top_p, min_p, uniform)[0]
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -104,8 +104,7 @@ def build_batch(
     sizes = []
     for values in fields.values():
         pad = -len(values) % ALIGN_INT64
-        flat += values
-        flat += [0] * pad
+        flat += values + [0] * pad
         sizes.append(len(values) + pad)
     host = torch.cat([torch.tensor(flat, dtype=torch.int64), cache_loc])
     if device.type == "cuda":

@@ -200,13 +200,11 @@ class Scheduler:
             return
         rows: list[int] = []
         reqs: list[Req] = []
-        drafts: dict[Req, list[int]] = {}
         for p in sampling:  # a drafting request samples after each draft token too
             assert p.sample_row is not None
             rows += range(p.sample_row, p.sample_row + 1 + len(p.draft))
             reqs += [p.req] * (1 + len(p.draft))
-            if p.draft:
-                drafts[p.req] = p.draft
+        drafts = {p.req: p.draft for p in sampling if p.draft}
         if rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
         logits = self.runner.logits(hidden)
