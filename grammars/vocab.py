@@ -85,9 +85,7 @@ def tokenizer_kind(tokenizer: PreTrainedTokenizerBase) -> str:
         decoder = json.loads(backend.to_str()).get("decoder") or {}
         if _has_decoder(decoder, "ByteLevel"):
             return "byte_level"
-        if _has_decoder(decoder, "ByteFallback") or _has_decoder(decoder, "Metaspace"):
-            return "sentencepiece"
-        if _has_decoder(decoder, "Replace"):
+        if any(_has_decoder(decoder, n) for n in ("ByteFallback", "Metaspace", "Replace")):
             return "sentencepiece"
     vocab = tokenizer.get_vocab()
     if any(piece.startswith(SPIECE_SPACE) for piece in vocab):
