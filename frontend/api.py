@@ -6,32 +6,17 @@ import json
 from typing import Any
 
 from weft.frontend.choices import ChoicesSamplingMethod, choices_method_named
-from weft.frontend.ir import (
-    DType,
-    Gen,
-    ModelType,
-    Node,
-    RoleBegin,
-    RoleEnd,
-    Select,
-    Seq,
-    flatten,
-)
+from weft.frontend.ir import DType, Gen, ModelType, Node, RoleBegin, RoleEnd, Select, Seq, flatten
 
 # gen() keyword -> SGLang sampling parameter
 SAMPLING_NAMES = {
     "max_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "ignore_eos": "ignore_eos",
+    **{k: k for k in ("stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p")},
+    **{k: k for k in ("frequency_penalty", "presence_penalty", "ignore_eos")},
 }
+# gen() keywords sent as request options beside the sampling parameters
+_OPTIONS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 # gen(dtype=...): the value's Python spelling as a regex (SGLang's meaning; a str is a JSON string
 # literal), and the variable holds the value it spells.
 # NOTE: a number may end with one space or newline. Without it the model has no way to say the
@@ -138,13 +123,7 @@ def gen(
     reader: DType | ModelType | None = ModelType(json_schema) if _is_model(json_schema) else typed
     if choices is not None:
         return select(name, choices, choices_method)
-    asked = {
-        "return_logprob": return_logprob,
-        "logprob_start_len": logprob_start_len,
-        "top_logprobs_num": top_logprobs_num,
-        "return_text_in_logprobs": return_text_in_logprobs,
-    }
-    options = {k: v for k, v in asked.items() if v is not None}
+    options = {k: args[k] for k in _OPTIONS if args[k] is not None}
     return Gen(name, {**params, **constraint}, reader, options)
 
 

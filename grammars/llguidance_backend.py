@@ -31,16 +31,8 @@ except ImportError:  # pragma: no cover - the backend is then unavailable anyway
 
 # Whitespace as the other backends allow it (spec.JSON_WHITESPACE), around bare separators; or
 # compact JSON (", " and ": ").
-JSON_OPTIONS: Any = {
-    "whitespace_pattern": JSON_WHITESPACE,
-    "item_separator": ",",
-    "key_separator": ":",
-}
-COMPACT_JSON_OPTIONS: Any = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
+JSON_OPTIONS: Any = dict(whitespace_pattern=JSON_WHITESPACE, item_separator=",", key_separator=":")
+COMPACT_JSON_OPTIONS: Any = dict(whitespace_flexible=False, item_separator=", ", key_separator=": ")
 
 
 def _one_of_as_any_of(spec: GrammarSpec) -> bool:

@@ -57,6 +57,9 @@ def backend_classes() -> dict[str, Callable[[TokenVocab, bool], GrammarBackend]]
     }
 
 
+_Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]  # a future, fn, args
+
+
 class DaemonPool:
     """A thread pool whose threads never delay the process's exit.
 
@@ -68,10 +71,7 @@ class DaemonPool:
         self.name = name
         self._closed = False
         self._lock = threading.Lock()  # orders `submit` against `shutdown`
-        self._jobs: queue.SimpleQueue[
-            tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
-        ]
-        self._jobs = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(workers)

@@ -96,14 +96,10 @@ class OutlinesBackend(GrammarBackend):
     def _structural_regex(self, tag: dict[str, Any]) -> str:
         if tag["free_text"]:
             raise GrammarUnsupported("outlines-core: free text around structures is not supported")
-        calls = [
-            regex_escape(s["begin"])
-            + "("
-            + str(self.regex_from_schema(json.dumps(s["schema"]), self._whitespace))
-            + ")"
-            + regex_escape(s["end"])
-            for s in tag["structures"]
-        ]
+        calls = []
+        for s in tag["structures"]:
+            inner = self.regex_from_schema(json.dumps(s["schema"]), self._whitespace)
+            calls.append(f"{regex_escape(s['begin'])}({inner}){regex_escape(s['end'])}")
         call = "(" + "|".join(calls) + ")"
         body = f"{call}({regex_escape(tag['separator'])}{call})*" if tag["repeat"] else call
         return body if tag["at_least_one"] else f"({body})?"

@@ -290,33 +290,14 @@ class Profile:
     slow: tuple[schema_rules.Rule, ...] = ()  # what it enforces too slowly to serve
 
 
+# fmt: off
 XGRAMMAR = Profile(
     "xgrammar",
-    frozenset(
-        {
-            "type",
-            "enum",
-            "const",
-            "properties",
-            "required",
-            "additionalProperties",
-            "items",
-            "prefixItems",
-            "minItems",
-            "maxItems",
-            "minProperties",
-            "maxProperties",
-            "propertyNames",
-            "minLength",
-            "maxLength",
-            "pattern",
-            "format",
-            *NUMBER_KEYWORDS,
-            "anyOf",
-            "oneOf",
-            "$ref",
-        }
-    ),
+    frozenset({
+        "type", "enum", "const", "properties", "required", "additionalProperties", "items",
+        "prefixItems", "minItems", "maxItems", "minProperties", "maxProperties", "propertyNames",
+        "minLength", "maxLength", "pattern", "format", *NUMBER_KEYWORDS, "anyOf", "oneOf", "$ref",
+    }),
     (
         schema_rules.lengths_beside("pattern", "format"),
         schema_rules.pattern_beside_format,
@@ -335,25 +316,10 @@ XGRAMMAR = Profile(
 LLGUIDANCE = Profile("llguidance", None)
 OUTLINES = Profile(
     "outlines-core",
-    frozenset(
-        {
-            "type",
-            "enum",
-            "const",
-            "properties",
-            "required",
-            "additionalProperties",
-            "items",
-            "prefixItems",
-            "minItems",
-            "maxItems",
-            "minLength",
-            "maxLength",
-            "format",
-            "anyOf",
-            "$ref",
-        }
-    ),
+    frozenset({
+        "type", "enum", "const", "properties", "required", "additionalProperties", "items",
+        "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "format", "anyOf", "$ref",
+    }),
     (
         schema_rules.lengths_beside("format"),
         schema_rules.ref_siblings,
@@ -363,6 +329,7 @@ OUTLINES = Profile(
         schema_rules.enum_siblings,
     ),
 )
+# fmt: on
 
 
 def refusals(root: Any, profile: Profile, base: str = "") -> list[Refusal]:

@@ -33,21 +33,13 @@ MAX_SUBSETS_OF = 2
 MAX_VARIANTS = 32
 DEFS_PREFIX = "weft-order-"
 # Keywords that describe an object's members; they go into every variant, the rest stays outside.
-_OBJECT_KEYWORDS = frozenset(
-    (
-        "type",
-        "properties",
-        "required",
-        "additionalProperties",
-        "patternProperties",
-        "propertyNames",
-        "minProperties",
-        "maxProperties",
-        "dependentRequired",
-        "dependentSchemas",
-        "unevaluatedProperties",
-    )
-)
+# fmt: off
+_OBJECT_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "patternProperties",
+    "propertyNames", "minProperties", "maxProperties", "dependentRequired",
+    "dependentSchemas", "unevaluatedProperties",
+})
+# fmt: on
 _APPLICATORS = ("anyOf", "oneOf", "allOf", "not", "if", "$ref", "$dynamicRef")
 # NOTE: xgrammar keys its converted subschemas by their JSON with sorted keys, so two variants
 # differing only in property order collapse into the first (the second order is then refused).

@@ -18,6 +18,7 @@ from weft.grammars.schema_walk import (
     as_list,
     types_of,
 )
+from weft.grammars.spec import skip_class
 
 # A rule: (site, root) -> (keyword, why) for each problem at that site.
 Rule = Callable[[Site, Any], Iterable[tuple[str, str]]]
@@ -173,7 +174,7 @@ def regex_features(pattern: str) -> set[str]:
             i += 2
             continue
         if c == "[":
-            i = _skip_class(pattern, i + 1)
+            i = skip_class(pattern, i + 1)
             continue
         if c == "(" and _LOOKAROUND.match(pattern, i):
             found.add("lookaround")
@@ -185,14 +186,3 @@ def regex_features(pattern: str) -> set[str]:
                 found.add(f"JSON escaping of the repetition {bounded[0]}")
         i += 1
     return found
-
-
-def _skip_class(text: str, i: int) -> int:
-    """The index after the `]` closing a character class whose content starts at `i`."""
-    if text.startswith("^", i):
-        i += 1
-    if text.startswith("]", i):
-        i += 1
-    while i < len(text) and text[i] != "]":
-        i += 2 if text[i] == "\\" else 1
-    return i + 1

@@ -13,95 +13,34 @@ from urllib.parse import unquote
 from weft.grammars.spec import resolve_pointer
 
 # Keywords that never constrain an instance.
-ANNOTATIONS = frozenset(
-    {
-        "title",
-        "description",
-        "default",
-        "examples",
-        "$schema",
-        "$id",
-        "$anchor",
-        "$dynamicAnchor",
-        "$comment",
-        "$vocabulary",
-        "deprecated",
-        "readOnly",
-        "writeOnly",
-        "$defs",
-        "definitions",
-        "contentMediaType",
-        "contentEncoding",
-        "contentSchema",
-    }
-)
+# fmt: off
+ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$anchor",
+    "$dynamicAnchor", "$comment", "$vocabulary", "deprecated", "readOnly", "writeOnly",
+    "$defs", "definitions", "contentMediaType", "contentEncoding", "contentSchema",
+})
 # The keywords that constrain an instance (draft 2020-12, plus the draft 7 ones its validators
 # read under their $schema); anything else in a schema is an unknown keyword, which JSON Schema
 # ignores, as every backend does.
-VALIDATION_KEYWORDS = frozenset(
-    {
-        "type",
-        "enum",
-        "const",
-        "multipleOf",
-        "maximum",
-        "exclusiveMaximum",
-        "minimum",
-        "exclusiveMinimum",
-        "maxLength",
-        "minLength",
-        "pattern",
-        "format",
-        "maxItems",
-        "minItems",
-        "uniqueItems",
-        "maxContains",
-        "minContains",
-        "maxProperties",
-        "minProperties",
-        "required",
-        "dependentRequired",
-        "properties",
-        "patternProperties",
-        "additionalProperties",
-        "propertyNames",
-        "dependentSchemas",
-        "items",
-        "prefixItems",
-        "contains",
-        "allOf",
-        "anyOf",
-        "oneOf",
-        "not",
-        "if",
-        "then",
-        "else",
-        "unevaluatedItems",
-        "unevaluatedProperties",
-        "$ref",
-        "$dynamicRef",
-        "$recursiveRef",
-        "additionalItems",
-        "dependencies",
-    }
-)
+VALIDATION_KEYWORDS = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+    "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
+    "uniqueItems", "maxContains", "minContains", "maxProperties", "minProperties", "required",
+    "dependentRequired", "properties", "patternProperties", "additionalProperties",
+    "propertyNames", "dependentSchemas", "items", "prefixItems", "contains", "allOf", "anyOf",
+    "oneOf", "not", "if", "then", "else", "unevaluatedItems", "unevaluatedProperties", "$ref",
+    "$dynamicRef", "$recursiveRef", "additionalItems", "dependencies",
+})
+# fmt: on
 STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
 NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 # Where a schema keeps its subschemas, and whether they describe the same instance (True) or a
 # value inside it (False).
 _SCHEMA_VALUES = {
-    "not": True,
-    "if": True,
-    "then": True,
-    "else": True,
-    "items": False,
-    "additionalProperties": False,
-    "contains": False,
-    "propertyNames": False,
-    "unevaluatedProperties": False,
-    "unevaluatedItems": False,
-    "additionalItems": False,
+    **dict.fromkeys(("not", "if", "then", "else"), True),
+    **dict.fromkeys(("items", "additionalProperties", "contains", "propertyNames"), False),
+    **dict.fromkeys(("unevaluatedProperties", "unevaluatedItems", "additionalItems"), False),
 }
 _SCHEMA_LISTS = {"anyOf": True, "oneOf": True, "allOf": True, "prefixItems": False, "items": False}
 _SCHEMA_MAPS = {"properties": False, "patternProperties": False, "dependentSchemas": True}

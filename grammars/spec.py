@@ -74,10 +74,6 @@ class GrammarSpec:
 JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
-def json_object_spec() -> GrammarSpec:
-    return GrammarSpec("json_object", json.dumps(JSON_OBJECT_SCHEMA))
-
-
 def choices_spec(choices: list[str]) -> GrammarSpec:
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise InvalidSpec("choices must be a non-empty list of non-empty strings")
@@ -230,9 +226,7 @@ def skip_class(text: str, i: int) -> int:
         i += 1
     if text.startswith("]", i):
         i += 1
-    while i < len(text) and text[i] != "]":
-        i += 2 if text[i] == "\\" else 1
-    return i + 1
+    return _skip_quoted(text, i, "]")
 
 
 def _skip_quoted(text: str, i: int, quote: str) -> int:

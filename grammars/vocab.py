@@ -12,7 +12,6 @@ Ids past the tokenizer's vocabulary (lm_head padding) are `None` too.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -44,7 +43,6 @@ class TokenVocab:
     end_ids: list[int]  # tokens that end the output (allowed where the grammar may end)
     kind: str  # "byte_level" | "sentencepiece"
     tokenizer: PreTrainedTokenizerBase | None = field(default=None, repr=False)
-    fingerprint: str = ""
 
     @property
     def size(self) -> int:
@@ -78,11 +76,7 @@ class TokenVocab:
         for tid in end_ids:
             if tid < vocab_size:
                 table[tid] = None
-        digest = hashlib.sha256()
-        for entry in table:
-            digest.update(b"\0" if entry is None else b"\1" + len(entry).to_bytes(2, "big") + entry)
-        digest.update(json.dumps(sorted(end_ids)).encode())
-        return cls(table, sorted(set(end_ids)), kind, tokenizer, digest.hexdigest()[:16])
+        return cls(table, sorted(set(end_ids)), kind, tokenizer)
 
 
 def tokenizer_kind(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -91,9 +85,7 @@ def tokenizer_kind(tokenizer: PreTrainedTokenizerBase) -> str:
         decoder = json.loads(backend.to_str()).get("decoder") or {}
         if _has_decoder(decoder, "ByteLevel"):
             return "byte_level"
-        if _has_decoder(decoder, "ByteFallback") or _has_decoder(decoder, "Metaspace"):
-            return "sentencepiece"
-        if _has_decoder(decoder, "Replace"):
+        if any(_has_decoder(decoder, n) for n in ("ByteFallback", "Metaspace", "Replace")):
             return "sentencepiece"
     vocab = tokenizer.get_vocab()
     if any(piece.startswith(SPIECE_SPACE) for piece in vocab):

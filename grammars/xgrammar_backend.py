@@ -86,10 +86,7 @@ class XGrammarBackend(GrammarBackend):
         encoded = [piece if piece is not None else b"" for piece in vocab.token_bytes]
         # NOTE: xgrammar reads an empty token as a special token (never allowed by a grammar)
         self.info = xgrammar.TokenizerInfo(
-            encoded,
-            xgrammar.VocabType.RAW,
-            vocab_size=vocab.size,
-            stop_token_ids=vocab.end_ids,
+            encoded, xgrammar.VocabType.RAW, vocab_size=vocab.size, stop_token_ids=vocab.end_ids
         )
         self.compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
         self._batch: Any = None
