@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Defaults that differ by architecture, as transformers' config classes set them.
+_HEAD_DIM = {"Qwen3ForCausalLM": 128}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -23,6 +26,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False  # an RMSNorm over each q and k head before rope (Qwen3)
     rope_scaling: dict[str, Any] | None = None
     torch_dtype: str | None = None
     bos_token_id: int | None = None
@@ -33,6 +37,7 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"{source}: missing 'architectures'")
+        arch = archs[0]
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -44,19 +49,20 @@ class ModelConfig:
                 scaling.pop("rope_theta", None)
                 scaling.pop("type", None)
             return cls(
-                architecture=archs[0],
+                architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                # NOTE: transformers' Qwen3Config defaults head_dim to 128, not hidden / heads
+                head_dim=int(raw.get("head_dim") or _HEAD_DIM.get(arch, hidden // heads)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
+                attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 rope_scaling=scaling,
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 bos_token_id=raw.get("bos_token_id"),

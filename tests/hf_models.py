@@ -43,6 +43,34 @@ CONFIGS = {
         num_key_value_heads=2,
         tie_word_embeddings=False,
     ),
+    # Qwen3: q/k norm, no qkv bias; head_dim 32 != hidden / heads (16)
+    "qwen3-gqa-headdim-untied": dict(
+        arch="qwen3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-tied": dict(
+        arch="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,  # NOTE: stated: transformers' Qwen3Config defaults it to 128
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
+}
+# arch -> (config class, model class)
+HF_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 
 VOCAB = 160
@@ -51,7 +79,7 @@ VOCAB = 160
 def save_random_model(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
     spec = dict(CONFIGS[name])
     arch = spec.pop("arch")
-    cls_cfg = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    cls_cfg, cls = HF_CLASSES[arch]
     config = cls_cfg(
         vocab_size=VOCAB,
         max_position_embeddings=256,
@@ -62,9 +90,9 @@ def save_random_model(name: str, folder: Path, seed: int = 0) -> transformers.Pr
         **spec,
     )
     torch.manual_seed(seed)
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
     model = cls(config).float().eval()
-    with torch.no_grad():  # HF initialises biases to zero: make them matter
+    # HF initialises biases to zero and norms (q/k norms too) to one: make them matter
+    with torch.no_grad():
         for pname, param in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 param.add_(torch.randn_like(param) * 0.1)

@@ -26,6 +26,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from weft.grammars.vocab import TokenVocab
@@ -46,7 +48,8 @@ from weft.runtime.loaders.gguf_convert import (
     unpermute_rows,
 )
 
-from conftest import fixture_path
+from conftest import fixture_path, make_engine
+from hf_models import hf_greedy
 
 Q = gguf.GGMLQuantizationType
 SPM_VOCAB = ("llamacpp-vocab-tests", "ggml-vocab-llama-spm.gguf")
@@ -72,6 +75,8 @@ HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 GLOBAL_HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -150,6 +155,29 @@ def tiny_qwen2(vocab_size: int) -> Qwen2ForCausalLM:
     return model
 
 
+def tiny_qwen3(vocab_size: int) -> Qwen3ForCausalLM:
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # != hidden / heads: the file must say it (attention.key_length)
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # q/k norms too: not all-ones, so a missing or swapped one shows
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
 def copy_tokenizer_metadata(writer: gguf.GGUFWriter, vocab_gguf: Path) -> None:
     reader = gguf.GGUFReader(vocab_gguf)
     for key, field in reader.fields.items():
@@ -160,7 +188,7 @@ def copy_tokenizer_metadata(writer: gguf.GGUFWriter, vocab_gguf: Path) -> None:
 
 def write_gguf(
     path: Path,
-    model: LlamaForCausalLM | Qwen2ForCausalLM,
+    model: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM,
     qtype: Callable[[str], gguf.GGMLQuantizationType],
     *,
     arch: str = "llama",
@@ -288,6 +316,17 @@ def qwen2_case(tmp_path_factory):
     path = root / "tiny-qwen2.gguf"
     vocab = fixture_path("llamacpp-vocab-tests", "ggml-vocab-gpt-2.gguf")
     write_gguf(path, model, lambda _: Q.F32, arch="qwen2", vocab=vocab)
+    return model, path, convert_gguf(path, root / "cache", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def qwen3_case(tmp_path_factory):
+    """qwen3 architecture (q/k norms, head_dim from attention.key_length, no q/k permutation)."""
+    root = tmp_path_factory.mktemp("qwen3")
+    model = tiny_qwen3(50257)
+    path = root / "tiny-qwen3.gguf"
+    vocab = fixture_path("llamacpp-vocab-tests", "ggml-vocab-gpt-2.gguf")
+    write_gguf(path, model, lambda _: Q.F32, arch="qwen3", vocab=vocab, key_length=True)
     return model, path, convert_gguf(path, root / "cache", torch.float32)
 
 
@@ -457,6 +496,39 @@ def test_qwen2_weights_and_logits(qwen2_case):
     assert tok.encode("Hello world", add_special_tokens=False) == [15496, 995]
 
 
+def test_qwen3_weights_and_logits(qwen3_case):
+    model, _, folder = qwen3_case
+    weights = hf_weights(folder)
+    assert weights.keys() == model.state_dict().keys()
+    assert "model.layers.1.self_attn.k_norm.weight" in weights
+    for name, original in model.state_dict().items():
+        assert torch.equal(weights[name], original), name
+    torch.testing.assert_close(logits(folder, IDS), logits(model, IDS), rtol=0, atol=1e-5)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    assert (config["attention_bias"], config["head_dim"], config["hidden_size"]) == (False, 32, 64)
+
+
+def test_qwen3_gguf_through_weft(qwen3_case):
+    """The converted folder served by weft: greedy tokens equal the original model's."""
+    model, _, folder = qwen3_case
+    engine = make_engine(folder, dtype="float32", max_total_tokens=512)
+    prompt = IDS[0].tolist()
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == hf_greedy(
+        model, prompt, 8
+    )
+    engine.shutdown()
+
+
+def test_qwen3_without_qk_norms_is_refused(tmp_path):
+    model = tiny_llama(64, head_dim=None, scaling=None, tied=True)
+    path = tmp_path / "no-norms.gguf"
+    write_gguf(path, model, lambda _: Q.F32, arch="qwen3")
+    with pytest.raises(ValueError, match=r"lacks the tensor 'blk\.0\.attn_q_norm\.weight'"):
+        convert_gguf(path, tmp_path / "cache", torch.float32)
+
+
 def test_bfloat16_conversion(f32_case, tmp_path):
     model, path, _ = f32_case
     folder = convert_gguf(path, tmp_path, torch.bfloat16)
@@ -590,7 +662,10 @@ def test_unsupported_architecture(tmp_path):
     write_gguf(path, model, lambda _: Q.F32, arch="gemma")
     with pytest.raises(ValueError) as err:
         convert_gguf(path, tmp_path / "cache", torch.float32)
-    assert str(err.value) == f"unknown architecture 'gemma' in {path}: weft supports llama, qwen2"
+    assert (
+        str(err.value)
+        == f"unknown architecture 'gemma' in {path}: weft supports llama, qwen2, qwen3"
+    )
 
 
 def test_unsupported_tensor_type(tmp_path):

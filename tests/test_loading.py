@@ -57,6 +57,35 @@ def test_dummy_weights_from_a_config(tmp_path):
     b.shutdown()
 
 
+def test_qwen3_dummy_weights_from_a_hub_style_config(tmp_path):
+    """No head_dim or attention_bias in config.json: transformers' Qwen3 defaults apply (head_dim
+    128, no qkv bias); dummy weights leave the q/k norms at one, like the other norms."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "vocab_size": 300,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+            }
+        )
+    )
+    engine = make_engine(tmp_path, load_format="dummy", max_total_tokens=512)
+    model = engine.runner.model
+    attn = model.layers[1].self_attn
+    assert (model.config.head_dim, model.config.attention_bias) == (128, False)
+    assert attn.qkv_proj.weight.shape == ((4 + 2 + 2) * 128, 64) and attn.qkv_proj.bias is None
+    assert torch.equal(attn.q_norm.weight, torch.ones(128))
+    assert torch.equal(attn.k_norm.weight, torch.ones(128))
+    out = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
+    assert len(out["output_ids"]) == 10
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_stays_close_to_fp32(stories_dir, dtype):
     golden = json.loads((stories_dir / "GOLDEN.json").read_text())

@@ -1,4 +1,4 @@
-"""Convert a GGUF file (llama, qwen2) into a Hugging Face-style model folder, cached on disk.
+"""Convert a GGUF file (llama, qwen2, qwen3) into a Hugging Face-style model folder, cached on disk.
 
 The engine's HF loader then reads the folder like any checkpoint. Layout of the output:
 
@@ -35,7 +35,11 @@ from weft.runtime.loaders.end_tokens import END_TOKEN_TEXTS
 
 logger = logging.getLogger("weft")
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 MARKER = "weft-converted.json"
 SHARD_BYTES = 2 * 1024**3
 # Bump when the output layout changes, so older cache folders are rebuilt.
@@ -62,7 +66,10 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+_QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")  # qwen3 only: [head_dim] each
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -419,6 +426,8 @@ def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Pa
         "mlp.gate_proj.weight": (inter, hidden),
         "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
     }
     vocab = config["vocab_size"]
     global_shapes = {
@@ -428,7 +437,8 @@ def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Pa
     }
     # llama.cpp permutes q/k rows for `llama` only; which heads count differs for q and k.
     permuted = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
-    wanted = [g for g in _LAYER_NAMES if g.endswith(".weight")]
+    wanted = [g for g in _LAYER_NAMES if g.endswith(".weight") and g not in _QK_NORMS]
+    wanted += list(_QK_NORMS) if arch == "qwen3" else []
     if config["attention_bias"]:
         # HF Qwen2 has q/k/v biases; HF Llama's attention_bias also puts one on o_proj.
         wanted += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]

@@ -93,6 +93,13 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed, x
 
+    def per_head(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """x [T, heads, head_dim] (a strided view is fine) -> each head normed, a new tensor of
+        the same shape (Qwen3's q/k norm; the weight is [head_dim])."""
+        # NOTE: reshape copies a strided view of qkv: the fused kernel takes rows of one stride
+        normed, _ = self(x.reshape(-1, x.shape[-1]), None, fused)
+        return normed.view(x.shape)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float64), with Llama-3.1 or linear scaling."""

@@ -1,4 +1,4 @@
-"""Llama (2, 3, 3.1) decoder; Qwen2 reuses it with qkv bias (see qwen2.py)."""
+"""Llama (2, 3, 3.1) decoder; Qwen2 (qkv bias) and Qwen3 (q/k norm) are short subclasses."""
 
 from __future__ import annotations
 
@@ -44,18 +44,23 @@ class Attention(nn.Module):
         self.splits = [q_size, kv_size, kv_size]
         self.qkv_proj = ColumnLinear(cfg.hidden_size, self.splits, cfg.attention_bias, dtype)
         self.o_proj = RowLinear(q_size, cfg.hidden_size, dtype)
+        # Qwen3: an RMSNorm over each q and k head, before rope
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, rope: RopeStep, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.splits
+        heads = [self.num_heads, self.num_kv_heads]
         # one rotary pass over q and k together: [T, Hq + Hkv, D] (a strided view of qkv)
-        qk = Rotary.rotate(
-            qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-            rope,
-        )
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        qk = qkv[:, : q_size + kv_size].view(-1, sum(heads), self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split(heads, dim=1)
+            fused = attn.fused_layers
+            qk = torch.cat((self.q_norm.per_head(q, fused), self.k_norm.per_head(k, fused)), dim=1)
+        q, k = Rotary.rotate(qk, rope).split(heads, dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.forward(q, k, v, self.layer, batch))
 

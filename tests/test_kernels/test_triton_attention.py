@@ -170,6 +170,39 @@ def test_stories_greedy_with_triton_attention(stories_dir):
         engine.shutdown()
 
 
+def test_qwen3_greedy_with_fused_layers(tmp_path):
+    """Qwen3 through TritonAttention's fused layers: the q/k norms run the RMSNorm kernel over
+    [tokens * heads, head_dim] rows before the one rotary pass; greedy tokens (fp32) equal
+    transformers' on the same random weights, also past a prefix-cache hit."""
+    from weft import Engine
+
+    from hf_models import hf_greedy, save_random_model
+
+    hf = save_random_model("qwen3-gqa-headdim-untied", tmp_path)
+    device = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
+    engine = Engine(
+        str(tmp_path),
+        dtype="float32",
+        max_total_tokens=512,
+        show_progress=False,
+        log_level="warning",
+        device=device,
+    )
+    try:
+        runner = engine.runner
+        runner.attention = TritonAttention(runner.kv_pool, runner.req_to_token)
+        assert runner.attention.fused_layers
+        params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+        prompt = [3, 17, 42, 99, 5, 8, 120, 64, 11, 150]
+        for ids in (prompt, [*prompt, 31, 7]):
+            out = engine.generate(input_ids=ids, sampling_params=params)
+            assert out["output_ids"] == hf_greedy(hf, ids, 6)
+        assert out["meta_info"]["cached_tokens"] > 0
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["decode", "extend"])
 def test_triton_matches_torch_real_shapes_cuda(request, mode):
