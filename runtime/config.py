@@ -108,7 +108,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # the choices its CLI flag offers, if any
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
-            if choices is not None and value not in choices:
+            if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
         for name in ("max_running_requests", "max_grammar_chars"):
             if getattr(self, name) < 1:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weft.runtime.config import EngineConfig, option
+from weft.runtime.server.reasoning import REASONING_PARSERS, ReasoningFormat, reasoning_format
 
 DEFAULT_PORT = 30000
 
@@ -47,6 +48,17 @@ class ServerConfig(EngineConfig):
     chat_template: str | None = option(
         None, "chat template file or Jinja string (default: the tokenizer's own)"
     )
+    reasoning_parser: str | None = option(
+        None,
+        "split the thinking from the answer: qwen3 and deepseek-r1 (<think>...</think>), or "
+        "generic (--reasoning-start / --reasoning-end); chat returns it as reasoning_content, "
+        "/generate as reasoning_text with separate_reasoning",
+        choices=REASONING_PARSERS,
+    )
+    reasoning_start: str | None = option(
+        None, "generic reasoning parser: the start marker (omitted: the output begins thinking)"
+    )
+    reasoning_end: str | None = option(None, "generic reasoning parser: the end marker")
     enable_metrics: bool = option(False, "serve Prometheus /metrics")
     request_log: str | None = option(
         None, "append one JSON line per finished request to this file ('-' = stderr)"
@@ -91,6 +103,18 @@ class ServerConfig(EngineConfig):
             raise ValueError("log_prompts needs request_log (the file the texts go to)")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        given = self.reasoning_start is not None or self.reasoning_end is not None
+        if given and self.reasoning_parser != "generic":
+            raise ValueError("reasoning_start and reasoning_end are for reasoning_parser generic")
+        if self.reasoning_parser is not None:
+            self.reasoning_format  # noqa: B018 - raises ValueError on bad markers
+
+    @property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """--reasoning-parser's markers, None without one."""
+        if self.reasoning_parser is None:
+            return None
+        return reasoning_format(self.reasoning_parser, self.reasoning_start, self.reasoning_end)
 
     @property
     def engine_config(self) -> EngineConfig:

@@ -175,6 +175,15 @@ def test_chat_with_a_template_given_on_the_command_line(client):
         )
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    # without --reasoning-parser: no reasoning_content, and separate_reasoning is a 400
+    assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
+    with pytest.raises(openai.BadRequestError, match="--reasoning-parser"):
+        client.chat.completions.create(
+            model="stories",
+            messages=messages,
+            max_tokens=1,
+            extra_body={"separate_reasoning": True},
+        )
     # the rendered prompt: BOS + "user: Once upon a time\n"
     plain = client.completions.create(
         model="stories", prompt="user: Once upon a time\n", max_tokens=1

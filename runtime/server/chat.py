@@ -4,10 +4,14 @@ Tools and the tool parts of a conversation are passed in the shape Hugging Face 
 expect: `tools=[{"type": "function", "function": {...}}]`, assistant `tool_calls` whose
 `function.arguments` is a dict (OpenAI sends it as JSON text), and `tool` messages with
 `tool_call_id`.
+
+`chat_template_kwargs` (vLLM's and SGLang's field) are extra variables of the template, e.g.
+Qwen3's `enable_thinking`; names that apply_chat_template takes itself are refused.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,27 @@ from weft.runtime.server.errors import ApiError, bad_request, not_supported
 from weft.runtime.server.openai_protocol import ChatMessage
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# apply_chat_template's own parameters and the variables it sets: not template kwargs
+RESERVED_KWARGS = frozenset(
+    {"messages", "conversations", "self", "kwargs"}
+    | set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+)
+
+
+def check_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A request's chat_template_kwargs: an object of extra template variables; a 400 names
+    `param` (or the key) when it is not."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be an object", param)
+    for key in value:
+        if key in RESERVED_KWARGS:
+            raise bad_request(
+                f"{param}.{key} is not a template variable (it is set by the server)",
+                f"{param}.{key}",
+            )
+    return value
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -71,8 +96,10 @@ class ChatRenderer:
         messages: list[ChatMessage],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt; `tools` (checked OpenAI tool dicts) are rendered by the template."""
+        """The prompt; `tools` (checked OpenAI tool dicts) are rendered by the template, and
+        `template_kwargs` (checked by check_template_kwargs) are its extra variables."""
         self.check_available()
         assert self.tokenizer is not None
         if not messages:
@@ -85,6 +112,7 @@ class ChatRenderer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=self.template,
+                **(template_kwargs or {}),
             )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise ApiError(

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.sampling_params import RequestError, SamplingParams
 from weft.runtime.server import native_api, openai_api, openapi
-from weft.runtime.server.chat import ChatRenderer
+from weft.runtime.server.chat import ChatRenderer, check_template_kwargs
 from weft.runtime.server.errors import ApiError, decode_body, error_kind
 from weft.runtime.server.metrics import CONTENT_TYPE
 from weft.runtime.server.middleware import (
@@ -108,7 +108,8 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
     async def render_chat(request: Request) -> Response:
         req = decode_body(await request.body(), RenderChatRequest)
         tools = check_tools(req.tools) if req.tools else None
-        text = chat.render(req.messages, tools, add_generation_prompt=req.add_generation_prompt)
+        kwargs = check_template_kwargs(req.chat_template_kwargs)
+        text = chat.render(req.messages, tools, req.add_generation_prompt, kwargs)
         return json_response({"text": text})
 
     @app.get("/get_server_info")

@@ -4,6 +4,11 @@ Responses have SGLang's shape: {"text", "output_ids", "meta_info"} per sample (a
 batch or n > 1); a stream sends `data: {...}` events with the cumulative text and `data: [DONE]`.
 Logprob lists hold [logprob, token_id, text-or-null] entries.
 
+With --reasoning-parser, `separate_reasoning: true` splits each output: `text` is the answer and
+`reasoning_text` the thinking (cumulative in a stream, like `text`; with `stream_reasoning:
+false` the thinking comes once it has ended). Where an output begins (in the thinking or not) is
+read from the prompt's end (runtime/server/reasoning.py).
+
 A request the scheduler ends for its own fault (a grammar that does not compile) finishes with
 an abort reason carrying `status_code`: it is answered as that error (an error event in a
 stream), naming the constraint field.
@@ -26,6 +31,7 @@ from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.results import sample_result
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import is_admin, tenant_of
+from weft.runtime.server.reasoning import ReasoningParser, ReasoningPlan, plan_reasoning
 from weft.runtime.server.request_state import ReqState, refused, request_error
 from weft.runtime.server.responses import SSE_DONE, client_gone, json_response, sse
 from weft.runtime.server.sglang_params import parse_sampling_params
@@ -46,6 +52,8 @@ class GenerateReqInput(msgspec.Struct):
     return_text_in_logprobs: bool | None = None
     stream: bool | None = None
     cache_salt: Any = None  # prefix-cache namespace: no cache hit across different salts
+    separate_reasoning: bool | None = None  # with --reasoning-parser: reasoning_text apart
+    stream_reasoning: bool | None = None  # false: the thinking in one piece once it ends
     # SGLang features weft does not have, UNSUPPORTED_FIELDS: accepted while null or false
     image_data: Any = None
     video_data: Any = None
@@ -69,6 +77,7 @@ class _Parsed:
     stream: bool
     text_in_logprobs: bool
     constraint_params: dict[str, str]  # rid -> the sampling_params field of its constraint
+    reasoning: dict[str, ReasoningPlan]  # rid -> how its outputs are split (separate_reasoning)
 
 
 def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None) -> _Parsed:
@@ -86,6 +95,8 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
     tops = per_prompt(obj.top_logprobs_num, count, single, "top_logprobs_num", list_of=int)
     reqs = []
     constraint_params = {}
+    reasoning = {}
+    fmt = tm.config.reasoning_format
     for i, ids in enumerate(ids_list):
         where = "sampling_params" + (f"[{i}]" if isinstance(obj.sampling_params, list) else "")
         sp, explicit = parse_sampling_params(
@@ -107,11 +118,38 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
                 tenant=tenant,
             )
         )
+        rid = reqs[-1].rid
         if sp.constraint is not None:
-            constraint_params[reqs[-1].rid] = f"{where}.{sp.constraint[0]}"
+            constraint_params[rid] = f"{where}.{sp.constraint[0]}"
+        plan = plan_reasoning(
+            fmt,
+            _prompt_end(tm, ids),
+            separate=obj.separate_reasoning,
+            stream_reasoning=obj.stream_reasoning,
+            default=False,
+        )
+        if plan is not None:
+            reasoning[rid] = plan
+            if sp.constraint is not None:
+                plan.check_constraint(sp.constraint[0], constraint_params[rid])
     return _Parsed(
-        reqs, single, bool(obj.stream), bool(obj.return_text_in_logprobs), constraint_params
+        reqs,
+        single,
+        bool(obj.stream),
+        bool(obj.return_text_in_logprobs),
+        constraint_params,
+        reasoning,
     )
+
+
+PROMPT_END_TOKENS = 64  # enough for any marker the prompt may end with
+
+
+def _prompt_end(tm: TokenizerManager, ids: list[int]) -> str:
+    """The text of a prompt's last tokens (where a template opens or closes the thinking)."""
+    if tm.tokenizer is None:
+        return ""
+    return str(tm.tokenizer.decode(ids[-PROMPT_END_TOKENS:]))
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -125,13 +163,18 @@ def raise_request_errors(states: list[ReqState], params: dict[str, str]) -> None
 
 
 def sample_output(
-    tm: TokenizerManager, state: ReqState, i: int, text_in_logprobs: bool
+    tm: TokenizerManager,
+    state: ReqState,
+    i: int,
+    text_in_logprobs: bool,
+    split: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
+    """A sample's result; `split`: its (reasoning, answer) with separate_reasoning."""
     s = state.samples[i]
-    return sample_result(
+    out = sample_result(
         state.rid,
         i,
-        text=s.text,
+        text=s.text if split is None else split[1],
         output_ids=s.output_ids,
         prompt_tokens=state.prompt_tokens,
         cached_tokens=s.cached_tokens,
@@ -141,13 +184,41 @@ def sample_output(
         logprobs=(s.output_logprobs, s.input_logprobs or []) if state.want_logprobs else None,
         token_text=tm.token_text if text_in_logprobs else None,
     )
+    if split is not None:
+        out["reasoning_text"] = split[0]
+    return out
+
+
+@dataclass
+class _Split:
+    """A streamed sample's (reasoning, answer) so far, sent cumulatively."""
+
+    parser: ReasoningParser
+    fed: int = 0
+    reasoning: str = ""
+    answer: str = ""
+
+    def update(self, text: str, finished: bool) -> tuple[str, str]:
+        thought, answer = self.parser.feed(text[self.fed :])
+        self.fed = len(text)
+        if finished:
+            more, rest = self.parser.finish()
+            thought, answer = thought + more, answer + rest
+        self.reasoning += thought
+        self.answer += answer
+        return self.reasoning, self.answer
 
 
 async def _stream(
-    tm: TokenizerManager, states: list[ReqState], text_in_logprobs: bool, params: dict[str, str]
+    tm: TokenizerManager, states: list[ReqState], parsed: _Parsed
 ) -> AsyncIterator[bytes]:
     listener = states[0].listener
+    params = parsed.constraint_params
     flat = [(state, i) for state in states for i in range(len(state.samples))]
+    splits = [
+        _Split(plan.parser()) if (plan := parsed.reasoning.get(state.rid)) else None
+        for state, _ in flat
+    ]
     try:
         while True:
             listener.clear()
@@ -155,7 +226,9 @@ async def _stream(
                 sample = state.samples[i]
                 if sample.dirty and not refused(sample):
                     sample.dirty = False
-                    chunk = sample_output(tm, state, i, text_in_logprobs)
+                    split = splits[index]
+                    parts = split.update(sample.text, sample.finished) if split else None
+                    chunk = sample_output(tm, state, i, parsed.text_in_logprobs, parts)
                     chunk["index"] = index
                     yield sse(chunk)
             errors = [e for s in states if (e := request_error(s, params.get(s.rid))) is not None]
@@ -178,17 +251,15 @@ def register(app: FastAPI, tm: TokenizerManager) -> None:
         parsed = await parse_off_loop(partial(parse_generate, await request.body(), tm, tenant))
         states = tm.submit(parsed.reqs, stream=parsed.stream, tenant=tenant)
         if parsed.stream:
-            return StreamingResponse(
-                _stream(tm, states, parsed.text_in_logprobs, parsed.constraint_params),
-                media_type="text/event-stream",
-            )
+            return StreamingResponse(_stream(tm, states, parsed), media_type="text/event-stream")
         await tm.wait(states, partial(client_gone, request))
         raise_request_errors(states, parsed.constraint_params)
-        outs = [
-            sample_output(tm, state, i, parsed.text_in_logprobs)
-            for state in states
-            for i in range(len(state.samples))
-        ]
+        outs = []
+        for state in states:
+            plan = parsed.reasoning.get(state.rid)
+            for i, s in enumerate(state.samples):
+                split = plan.split(s.text) if plan is not None else None
+                outs.append(sample_output(tm, state, i, parsed.text_in_logprobs, split))
         return json_response(outs[0] if parsed.single and len(outs) == 1 else outs)
 
     @app.post("/abort_request")

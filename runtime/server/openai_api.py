@@ -29,7 +29,7 @@ from weft.runtime.sampling_params import (
     RequestError,
     SamplingParams,
 )
-from weft.runtime.server.chat import ChatRenderer
+from weft.runtime.server.chat import ChatRenderer, check_template_kwargs
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import tenant_of
 from weft.runtime.server.openai_jobs import ChatJob, CompletionJob, Job
@@ -38,6 +38,7 @@ from weft.runtime.server.openai_protocol import (
     CompletionRequest,
     _SamplingFields,
 )
+from weft.runtime.server.reasoning import plan_reasoning
 from weft.runtime.server.responses import client_gone, json_response
 from weft.runtime.server.sglang_params import check_constraint
 from weft.runtime.server.tokenizer_manager import TokenizerManager
@@ -191,13 +192,32 @@ def _chat_job(
     if json_schema is not None:
         extra.append(("json_schema", json_schema, "response_format"))
     top = _logprob_settings(req)
-    prompt = chat.render(req.messages, plan.tools if plan is not None else None)
+    kwargs = check_template_kwargs(req.chat_template_kwargs)
+    prompt = chat.render(req.messages, plan.tools if plan is not None else None, True, kwargs)
+    thinking = kwargs.get("enable_thinking")
+    reasoning = plan_reasoning(
+        tm.config.reasoning_format,
+        prompt,
+        separate=req.separate_reasoning,
+        stream_reasoning=req.stream_reasoning,
+        thinking=thinking if isinstance(thinking, bool) else None,
+    )
     # NOTE: the rendered template carries its own BOS (if any): add no special tokens.
     ids = tm.tokenize(prompt, "messages", add_special_tokens=False)
     max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     params, explicit = _sampling(req, tm, len(ids), max_tokens, None, extra, max_tokens_param)
+    param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
+    # NOTE: tool_choice auto leaves text free until a call's trigger: the thinking stays free
+    # (a call written inside it is thinking, never parsed); required or a named function
+    # constrain the output from its first token.
+    if reasoning is not None and param is not None:
+        if plan is None:
+            reasoning.check_constraint(param, param)
+        elif plan.choice.mode != "auto":
+            named = "required" if plan.choice.mode == "required" else "naming a function"
+            reasoning.check_constraint(f"tool_choice {named}", "tool_choice")
     gen = tm.build_request(
         ids,
         params,
@@ -212,8 +232,7 @@ def _chat_job(
     )
     # NOTE: submitted after every spec check: parse_off_loop may run this twice
     states = tm.submit([gen], stream=bool(req.stream), api="openai.chat", tenant=tenant)
-    param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
-    return ChatJob(tm, model, states, top, constraint_param=param, tools=plan)
+    return ChatJob(tm, model, states, top, constraint_param=param, tools=plan, reasoning=reasoning)
 
 
 def _constraint_param(params: SamplingParams) -> str | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from weft.runtime.messages.common import LogprobEntry
+from weft.runtime.server.reasoning import ReasoningParser, ReasoningPlan
 from weft.runtime.server.request_state import ReqState, Sample, refused, request_error
 from weft.runtime.server.responses import SSE_DONE, sse
 from weft.runtime.server.tokenizer_manager import TokenizerManager
@@ -49,6 +50,7 @@ class Cursor:
     started: bool = False
     done: bool = False
     parser: ToolCallParser | None = None  # chat with tools: text goes through it
+    reasoning: ReasoningParser | None = None  # chat with a reasoning parser: first through it
     calls: int = 0  # tool calls sent
 
 
@@ -207,6 +209,7 @@ class Job:
 @dataclass
 class ChatJob(Job):
     tools: ToolPlan | None = None  # tools may be called: outputs are parsed for calls
+    reasoning: ReasoningPlan | None = None  # the thinking is split off (reasoning_content)
 
     ID_PREFIX = "chatcmpl-"
     OBJECT = "chat.completion"
@@ -233,10 +236,17 @@ class ChatJob(Job):
 
     def _choice(self, index: int, s: Sample) -> tuple[dict[str, Any], str | None]:
         finish_reason = _finish_reason(s)
+        text, reasoning = s.text, None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(s.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
         if self.tools is None:
-            return {"message": {"role": "assistant", "content": s.text}}, finish_reason
-        content, calls = self.tools.parse(s.text, _cut_off(s))
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+            return {"message": message}, finish_reason
+        # tool calls are parsed from the answer only
+        content, calls = self.tools.parse(text, _cut_off(s))
+        message["content"] = content
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         return {"message": message}, _tool_finish(finish_reason, bool(calls))
@@ -245,19 +255,31 @@ class ChatJob(Job):
         return True  # the assistant's role
 
     def _cursor(self) -> Cursor:
-        return Cursor(parser=self.tools.parser() if self.tools is not None else None)
+        return Cursor(
+            parser=self.tools.parser() if self.tools is not None else None,
+            reasoning=self.reasoning.parser() if self.reasoning is not None else None,
+        )
 
     def _bodies(self, index: int, s: Sample, cur: Cursor, text: str, finished: bool) -> list[Any]:
-        """Chat deltas for new text; through the tool-call parser when tools are active (then
-        possibly none: the parser may hold the text back). A finished output that did not end
+        """Chat deltas for new text: first through the reasoning parser (thinking deltas are
+        `reasoning_content`), then the answer through the tool-call parser when tools are active
+        (then possibly none: the parsers may hold the text back). A finished output that did not end
         by itself (`_cut_off`): what the parser holds back at its end may begin a call, dropped."""
+        deltas: list[dict[str, Any]] = []
+        if cur.reasoning is not None:
+            thought, text = cur.reasoning.feed(text)
+            if finished:
+                more, rest = cur.reasoning.finish()
+                thought, text = thought + more, text + rest
+            if thought:
+                deltas.append({"reasoning_content": thought})
         if cur.parser is None:
-            deltas: list[dict[str, Any]] = [{"content": text}]
+            if text or cur.reasoning is None:
+                deltas.append({"content": text})
         else:
             events = cur.parser.feed(text)
             if finished:
                 events += cur.parser.finish(_cut_off(s))
-            deltas = []
             for event in events:
                 if isinstance(event, str):
                     deltas.append({"content": event})

@@ -69,6 +69,7 @@ class RenderChatRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage]
     add_generation_prompt: bool = False
     tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -80,6 +81,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None  # checked by tool_calls.check_tools
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's and SGLang's: extra chat template variables (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's, with --reasoning-parser: the thinking as reasoning_content (default true), and
+    # streamed as it comes (true) or in one delta once it ends (false)
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -33,6 +33,7 @@ from weft.runtime.sampling_params import (
     SGLANG_EXTRAS,
     SamplingParams,
 )
+from weft.runtime.server.chat import RESERVED_KWARGS
 from weft.runtime.server.native_api import UNSUPPORTED_FIELDS, GenerateReqInput
 from weft.runtime.server.openai_api import MAX_TOP_LOGPROBS, RESPONSE_FORMATS
 from weft.runtime.server.openai_protocol import (
@@ -63,6 +64,12 @@ _RANGES: dict[str, dict[str, Any]] = {
 # values listed (anything else is a 400 "not supported"), or accepted and without effect.
 _SGLANG_EXTRAS = {name: extra.schema for name, extra in SGLANG_EXTRAS.items()}
 _JSON_CONSTRAINTS = ("json_schema", "structural_tag")
+# extra chat template variables; the names apply_chat_template takes itself are a 400
+_TEMPLATE_KWARGS = {
+    "type": "object",
+    "propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}},
+    "description": 'extra chat template variables, e.g. {"enable_thinking": false}',
+}
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     "enum": [None, False, [], {}],
     "description": "not supported yet",
@@ -131,6 +138,8 @@ def _request_schemas() -> dict[str, Any]:
     chat["response_format"] = _nullable(_ref("ResponseFormat"))
     chat["tools"] = _nullable({"type": "array", "items": _ref("Tool")})
     chat["tool_choice"] = _nullable({"anyOf": [STRING, OBJECT]})
+    for props in (chat, components["RenderChatRequest"]["properties"]):
+        props["chat_template_kwargs"] = _nullable(_TEMPLATE_KWARGS)
     for props in (completion["properties"], chat):
         props["logit_bias"] = _nullable({"type": "object", "maxProperties": 0})
     json_schema = {
@@ -198,7 +207,13 @@ _USAGE = _object({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens"
 RESPONSE_SCHEMAS: dict[str, Any] = {
     "Error": ERROR,
     "GenerateOutput": _object(
-        {"text": STRING, "output_ids": {"type": "array", "items": INT}, "meta_info": OBJECT}
+        {
+            "text": STRING,
+            "reasoning_text": STRING,  # separate_reasoning: the thinking (text: the answer)
+            "output_ids": {"type": "array", "items": INT},
+            "meta_info": OBJECT,
+        },
+        ["text", "output_ids", "meta_info"],
     ),
     "Completion": _object(
         {
