@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from weft.kernels._checks import check
+
 LOG2E = 1.4426950408889634  # the kernels keep scores in base 2: exp(x) = exp2(x * LOG2E)
 
 
@@ -41,6 +43,28 @@ def load_slots(table_row, pos, mask, PAGE_SIZE: tl.constexpr):
         return tl.load(table_row + pos, mask=mask, other=0).to(tl.int64)
     page = tl.load(table_row + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
     return page * PAGE_SIZE + (pos % PAGE_SIZE)
+
+
+def attention_options(sliding_window: int | None, logit_cap: float | None) -> tuple[int, float]:
+    """The kernels' WINDOW and LOGIT_CAP constexprs (0 and 0.0: off) from the wrappers' options.
+
+    NOTE: off must stay 0 / 0.0: the kernels compile their option code under `if WINDOW > 0:` /
+    `if LOGIT_CAP > 0:`, so without options they are exactly the kernels without them.
+    """
+    check(sliding_window is None or sliding_window >= 1, "bad sliding_window {}", sliding_window)
+    check(logit_cap is None or logit_cap > 0, "bad logit_cap {}", logit_cap)
+    return sliding_window or 0, float(logit_cap or 0.0)
+
+
+@triton.jit
+def softcap(scores, LOGIT_CAP: tl.constexpr):
+    """Base-2 scores (natural * log2(e)) capped as LOGIT_CAP * tanh(natural / LOGIT_CAP), in base 2.
+
+    tanh(x) = 1 - 2 / (exp(2x) + 1): right at both ends (exp2 overflows to inf -> 1, or 0 -> -1).
+    """
+    log2e: tl.constexpr = 1.4426950408889634  # LOG2E (a jit function reads no Python globals)
+    cap2 = LOGIT_CAP * log2e  # the cap in base-2 units: x / cap2 = natural / LOGIT_CAP
+    return cap2 * (1.0 - 2.0 / (tl.exp2(scores * (2.0 * log2e / cap2)) + 1.0))
 
 
 @triton.jit

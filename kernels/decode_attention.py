@@ -7,13 +7,23 @@ log-sum-exp.
 Stage 2 (`_decode_merge_kernel`), grid (B, Hq): combines the S partial results by their
 log-sum-exp. Scores are kept in base 2 (exp2/log2) throughout; both stages agree on that.
 
-Chunks of request b (`_split_bounds`; both stages compute them the same way):
+Chunks of request b (`_split_bounds`; both stages compute them the same way), over the
+kv_len = seq_len - lo positions the query sees (lo = 0 without a sliding window):
 
-    chunk = ceil(ceil(seq_len / S) / BLOCK_N) * BLOCK_N    (whole tiles: only the last is partial)
-    split s covers positions [s * chunk, min((s + 1) * chunk, seq_len))   -- may be empty
+    chunk = ceil(ceil(kv_len / S) / BLOCK_N) * BLOCK_N     (whole tiles: only the last is partial)
+    split s covers positions [lo + s * chunk, min(lo + (s + 1) * chunk, seq_len))  -- may be empty
 
 An empty split writes nothing, and the merge skips it (it never reads its scratch rows).
 The paged layout (page_size) is described in `_attn.py`.
+
+Options, constexprs (each window or cap value compiles once; off, they leave no trace in the code):
+
+    WINDOW > 0     a sliding window: the query (position seq_len - 1) sees keys at positions
+                   [lo, seq_len) with lo = max(0, seq_len - WINDOW) (HF: q - k < window). The
+                   splits cover those positions only: the pages before the window are never read.
+                   WINDOW == 0: no window.
+    LOGIT_CAP > 0  soft-capping: score = cap * tanh(score / cap) on the natural-base scores
+                   (q.k * sm_scale), before the softmax (Gemma 2/3). 0.0: none.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels._attn import LOG2E, dot, load_slots, token_slots
+from weft.kernels._attn import LOG2E, attention_options, dot, load_slots, softcap, token_slots
 from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -36,10 +46,18 @@ from weft.kernels._checks import (
 
 
 @triton.jit
-def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
-    chunk = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    if WINDOW > 0:
+        # the splits share the window's kv_len positions [lo, seq_len) (HF: q - k < window)
+        lo = tl.maximum(seq_len - WINDOW, 0)
+        kv_len = seq_len - lo
+        chunk = ((kv_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+    else:
+        chunk = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
     return start, end
 
 
@@ -81,12 +99,14 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    start, end = _split_bounds(seq_len, split, num_splits, BLOCK_N)
+    start, end = _split_bounds(seq_len, split, num_splits, BLOCK_N, WINDOW)
     if start >= end:
         return
     row = tl.load(req_pool_indices + b).to(tl.int64)
@@ -114,6 +134,8 @@ def _decode_split_kernel(
         k_ptrs = k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
         scores = dot(q_tile, tl.trans(k_tile), UPCAST, PRECISION) * qk_scale
+        if LOGIT_CAP > 0:
+            scores = softcap(scores, LOGIT_CAP)
         # every tile holds >= 1 position < end, so each row keeps a finite max
         scores = tl.where(n_mask[None, :], scores, float("-inf"))  # [BH, BN]
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -151,6 +173,7 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -158,7 +181,7 @@ def _decode_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    start, end = _split_bounds(seq_len, offs_s, num_splits, BLOCK_N)
+    start, end = _split_bounds(seq_len, offs_s, num_splits, BLOCK_N, WINDOW)
     # only splits that stage 1 wrote: in range and non-empty
     valid = (offs_s < num_splits) & (start < end)
     ml_ptrs = mid_lse + b * stride_ml_b + head * stride_ml_h + offs_s
@@ -204,6 +227,8 @@ def decode_attention(
     page_size: int = 1,
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
     out: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 2,
@@ -214,6 +239,8 @@ def decode_attention(
     q [B, Hq, D] (head and token strides free), k_buffer/v_buffer [slots, Hkv, D],
     req_to_token [rows, cols] int32/int64, req_pool_indices [B], seq_lens [B] (>= 1; a request of
     length 0 gets zeros). Query head h reads KV head h // (Hq // Hkv) (as SDPA's enable_gqa).
+    `sliding_window` W: the query sees only the last W positions (the others are not read);
+    `logit_cap` c: scores become c * tanh(score / c) before the softmax. None: neither.
     `num_kv_splits` defaults to `default_num_kv_splits`, sized with `max_seq_len` (a host int: no
     device sync) when given. block_n, num_warps, num_stages: stage 1's tile and launch; the
     defaults won a sweep on an H100 (bench_kernels.py --sweep: 92-95% of copy bandwidth at
@@ -235,6 +262,7 @@ def decode_attention(
     check(num_heads % num_kv_heads == 0, "Hq={} not a multiple of Hkv={}", num_heads, num_kv_heads)
     check(page_size >= 1, "page_size must be >= 1, got {}", page_size)
     check(block_n >= 16 and block_n == next_pow2(block_n), "bad block_n {}", block_n)
+    window, cap = attention_options(sliding_window, logit_cap)
     out = check_out(out, (batch, num_heads, head_dim), q)
     if batch == 0:
         return out
@@ -285,6 +313,8 @@ def decode_attention(
         PAGE_SIZE=page_size,
         UPCAST=upcast,
         PRECISION=precision,
+        WINDOW=window,
+        LOGIT_CAP=cap,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -305,6 +335,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_S=next_pow2(num_kv_splits),
         BLOCK_N=block_n,
+        WINDOW=window,
         num_warps=4 if block_d >= 128 else 2,
     )
     return out
@@ -320,8 +351,13 @@ def decode_attention_ref(
     sm_scale: float,
     *,
     page_size: int = 1,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
-    """The torch twin: [B, Hq, D] in float32 (float64 for float64 inputs), one request at a time."""
+    """The torch twin: [B, Hq, D] in float32 (float64 for float64 inputs), one request at a time.
+
+    It reads the whole context and masks the keys outside the window (the kernel skips them).
+    """
     dtype = torch.promote_types(q.dtype, torch.float32)
     batch, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
@@ -332,5 +368,10 @@ def decode_attention_ref(
         keys = k_buffer[slots].to(dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = v_buffer[slots].to(dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].to(dtype), keys) * sm_scale  # [Hq, L]
+        if logit_cap is not None:
+            scores = torch.tanh(scores / logit_cap) * logit_cap
+        if sliding_window is not None:
+            outside = torch.arange(seq_len, device=q.device) <= seq_len - 1 - sliding_window
+            scores = scores.masked_fill(outside, float("-inf"))  # HF: visible iff q - k < W
         out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
     return out

@@ -10,6 +10,13 @@ slots hold the prefix and (already stored) the new tokens:
 So the prefix is visible to every new token and the new tokens attend causally. The key loop of
 a query block [m0, m0 + BLOCK_M) stops at min(seq_len, prefix + m0 + BLOCK_M), the last key any
 of its queries sees. The paged layout (page_size) is described in `_attn.py`.
+
+Options, constexprs as in decode_attention.py (off, they leave no trace in the code):
+
+    WINDOW > 0     a sliding window: key j is visible to query t iff also
+                   (prefix + t) - j < WINDOW (HF's convention); the key loop of a query block
+                   starts at max(0, prefix + m0 - WINDOW + 1), the first key its first query sees.
+    LOGIT_CAP > 0  soft-capping of the natural-base scores before the softmax: cap * tanh(s / cap).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels._attn import LOG2E, dot, load_slots, token_slots
+from weft.kernels._attn import LOG2E, attention_options, dot, load_slots, softcap, token_slots
 from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -59,6 +66,8 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -87,7 +96,11 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     end = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    if WINDOW > 0:
+        lo = tl.maximum(prefix + m0 - WINDOW + 1, 0)  # keys before lo are outside every window
+    else:
+        lo = 0
+    for n0 in range(lo, end, BLOCK_N):
         pos = n0 + offs_n  # absolute key positions
         n_mask = pos < end
         slots = load_slots(table_row, pos, n_mask, PAGE_SIZE)  # [BN] int64
@@ -95,13 +108,22 @@ def _extend_kernel(
         k_ptrs = k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
         scores = dot(q_tile, tl.trans(k_tile), UPCAST, PRECISION) * qk_scale  # [BM, BN]
+        if LOGIT_CAP > 0:
+            scores = softcap(scores, LOGIT_CAP)
         # NOTE: key 0 is visible to every query and lies in the first tile, so after it each row
         # has a finite running max and fully masked later tiles contribute exp2(-inf) = 0.
         # Padded query rows (t >= ext) have q_pos >= seq_len: they see every key, stay finite,
         # and are never stored.
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
+        if WINDOW > 0:
+            # NOTE: with a window a row may see nothing in the first tiles (its first key lies
+            # later) or at all (padded rows): an all -inf row shifts by 0, so that its exp2 terms
+            # are 0 instead of exp2(-inf - -inf) = NaN
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -111,6 +133,8 @@ def _extend_kernel(
         m_i = m_new
 
     o_ptrs = out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    if WINDOW > 0:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # padded rows (never stored) may have seen no key
     o_tile = acc / l_i[:, None]
     tl.store(o_ptrs, o_tile.to(out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -136,6 +160,8 @@ def extend_attention(
     sm_scale: float,
     *,
     page_size: int = 1,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -148,8 +174,10 @@ def extend_attention(
     qo_indptr[b+1]-1), k_buffer/v_buffer [slots, Hkv, D] holding the new tokens' K/V already,
     req_to_token [rows, cols], req_pool_indices [B], qo_indptr [B + 1], prefix_lens [B] (all
     int32/int64). `max_extend_len` (a host int, >= every extend length) sizes the grid.
-    Query head h reads KV head h // (Hq // Hkv). block_m, block_n, num_warps, num_stages: the
-    tiles and launch; unset, `_default_tiles` picks them.
+    Query head h reads KV head h // (Hq // Hkv). `sliding_window` W: a query at position p sees
+    keys in (p - W, p] (earlier key tiles are not read); `logit_cap` c: scores become
+    c * tanh(score / c) before the softmax; None: neither. block_m, block_n, num_warps,
+    num_stages: the tiles and launch; unset, `_default_tiles` picks them.
     """
     dev = q.device
     check_tensor("q", q, 3, FLOAT_DTYPES, dev)
@@ -169,6 +197,7 @@ def extend_attention(
     check(num_heads % num_kv_heads == 0, "Hq={} not a multiple of Hkv={}", num_heads, num_kv_heads)
     check(page_size >= 1, "page_size must be >= 1, got {}", page_size)
     check(max_extend_len >= 0, "max_extend_len must be >= 0, got {}", max_extend_len)
+    window, cap = attention_options(sliding_window, logit_cap)
     default_m, default_n, default_stages = _default_tiles(q.dtype, head_dim)
     block_m = block_m or default_m
     block_n = block_n or default_n
@@ -208,6 +237,8 @@ def extend_attention(
         PAGE_SIZE=page_size,
         UPCAST=upcast,
         PRECISION=precision,
+        WINDOW=window,
+        LOGIT_CAP=cap,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -225,6 +256,8 @@ def extend_attention_ref(
     sm_scale: float,
     *,
     page_size: int = 1,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
     """The torch twin: [T, Hq, D] in float32 (float64 for float64 inputs), one request at a time."""
     dtype = torch.promote_types(q.dtype, torch.float32)
@@ -239,8 +272,13 @@ def extend_attention_ref(
         keys = k_buffer[slots].to(dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = v_buffer[slots].to(dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[start:stop].to(dtype), keys) * sm_scale
+        if logit_cap is not None:
+            scores = torch.tanh(scores / logit_cap) * logit_cap
         q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [ext, L]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos  # [ext, L]
+        if sliding_window is not None:
+            visible &= q_pos - k_pos < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:stop] = torch.einsum("htl,lhd->thd", scores.softmax(-1), values)
     return out

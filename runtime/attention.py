@@ -5,17 +5,40 @@ Inputs per step (see `ForwardBatch`): `req_pool_indices` picks rows of `req_to_t
 `seq_lens[b]` entries are the KV slots of request b; the last `extend_lens[b]` of them are the
 tokens of this step (already allocated, written here), the first `prefix_lens[b]` were computed
 earlier (or come from the prefix cache). Query tokens of one request are contiguous in the batch.
+
+Per layer, the model passes its `AttentionOptions` with every call: a sliding window and logit
+soft-capping, each off by default (a model may give each layer its own, as Gemma 3 does).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from weft.runtime.core import ForwardBatch
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer attends, beyond causal attention over its request's KV."""
+
+    # W: a query at position p sees keys at positions p - W < j <= p (HF: q - k < window)
+    sliding_window: int | None = None
+    # c: scores (q.k * scale) become c * tanh(score / c) before the softmax (Gemma 2/3)
+    logit_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.logit_cap is not None and self.logit_cap <= 0:
+            raise ValueError(f"logit_cap must be > 0, got {self.logit_cap}")
+
+
+FULL_ATTENTION = AttentionOptions()
 
 
 class AttentionBackend(ABC):
@@ -33,11 +56,19 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        *,
+        options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq * D].
 
-        Stores k and v at `batch.out_cache_loc` in layer `layer` of the pool first.
+        Stores k and v at `batch.out_cache_loc` in layer `layer` of the pool first. The whole KV
+        stays in the pool: a window only hides keys from the queries.
         """
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
@@ -46,10 +77,15 @@ class AttentionBackend(ABC):
 
 
 class TorchAttention(AttentionBackend):
-    """Gathers each request's KV from the pool and runs SDPA (batched for pure decode steps)."""
+    """Gathers each request's KV from the pool and runs SDPA (batched for pure decode steps).
+
+    A window becomes a boolean mask (built once per step and window); soft-capping, which SDPA
+    lacks, runs the same attention in plain torch ops (`_attend`).
+    """
 
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.req_to_token
+        self._window_masks: dict[int, list[torch.Tensor]] = {}  # window -> a mask per request
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu)
             keep = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens[:, None]
@@ -63,37 +99,96 @@ class TorchAttention(AttentionBackend):
         for row, seq, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True):
             slots = table[row, :seq]
             prefix = seq - ext
-            mask = None
+            mask: torch.Tensor | None = None
             if prefix > 0 and ext > 1:
-                # query t sits at absolute position prefix + t and sees keys 0 .. prefix + t
-                q_pos = torch.arange(prefix, seq, device=table.device)[:, None]
-                mask = torch.arange(seq, device=table.device)[None, :] <= q_pos  # [ext, seq]
+                mask = _visible(prefix, seq, None, table.device)  # [ext, seq]
             self._per_req.append((slots, ext, prefix, mask))
 
+    def _masks(self, window: int, batch: ForwardBatch) -> list[torch.Tensor]:
+        """The step's masks for one window: [[B, 1, 1, L]] (decode), else [ext, seq] a request."""
+        masks = self._window_masks.get(window)
+        if masks is None:
+            if batch.is_decode:
+                pos = torch.arange(self._slots.shape[1], device=self._slots.device)[None, :]
+                inside = pos >= batch.seq_lens[:, None] - window  # queries sit at seq_len - 1
+                masks = [self._decode_mask & inside[:, None, None, :]]
+            else:
+                masks = [
+                    _visible(prefix, prefix + ext, window, slots.device)
+                    for slots, ext, prefix, _ in self._per_req
+                ]
+            self._window_masks[window] = masks
+        return masks
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        *,
+        options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         self.store_kv(k, v, layer, batch)
         k_buf = self.kv_pool.k_buffers[layer]
         v_buf = self.kv_pool.v_buffers[layer]
         num_tokens, num_heads, head_dim = q.shape
+        window, cap = options.sliding_window, options.logit_cap
+        windowed = None if window is None else self._masks(window, batch)
         if batch.is_decode:
             keys = k_buf[self._slots].transpose(1, 2)  # [B, Hkv, L, D]
             values = v_buf[self._slots].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=self._decode_mask, enable_gqa=True
-            )  # [B, Hq, 1, D]
+            keep = self._decode_mask if windowed is None else windowed[0]
+            out = _attend(q.unsqueeze(2), keys, values, keep, cap)  # [B, Hq, 1, D]
             return out.reshape(num_tokens, num_heads * head_dim)
         outputs = []
         start = 0
-        for slots, ext, prefix, mask in self._per_req:
+        for i, (slots, ext, prefix, mask) in enumerate(self._per_req):
             qi = q[start : start + ext].transpose(0, 1)  # [Hq, ext, D]
             ki = k_buf[slots].transpose(0, 1)  # [Hkv, seq, D]
             vi = v_buf[slots].transpose(0, 1)
-            causal = prefix == 0 and ext > 1
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=causal, enable_gqa=True
-            )
+            if windowed is not None:
+                mask = windowed[i]
+            if mask is None and prefix == 0 and ext > 1:  # causal over the new tokens alone
+                if cap is None:
+                    oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+                else:
+                    oi = _attend(qi, ki, vi, _visible(0, ext, None, q.device), cap)
+            else:
+                oi = _attend(qi, ki, vi, mask, cap)
             outputs.append(oi.transpose(0, 1).reshape(ext, num_heads * head_dim))
             start += ext
         return torch.cat(outputs, dim=0)
+
+
+def _visible(prefix: int, seq: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[ext, seq] bool: query t (at position prefix + t) sees key j iff j <= prefix + t and, with a
+    window W, prefix + t - j < W."""
+    q_pos = torch.arange(prefix, seq, device=device)[:, None]
+    k_pos = torch.arange(seq, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= q_pos - k_pos < window
+    return visible
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    logit_cap: float | None,
+) -> torch.Tensor:
+    """SDPA over [..., H, L, D] (k/v with Hkv heads) with a boolean mask; soft-capped scores
+    (which SDPA cannot do) in plain torch ops, at SDPA's default scale."""
+    if logit_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / logit_cap) * logit_cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1).to(v.dtype) @ v

@@ -27,6 +27,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool = False  # an RMSNorm over each q and k head before rope (Qwen3)
+    # a query at position p sees keys in (p - W, p] (None: every earlier key), in every layer but
+    # `full_attention_layers` (config.json's layer_types, or Qwen's max_window_layers)
+    sliding_window: int | None = None
+    full_attention_layers: frozenset[int] = frozenset()
     rope_scaling: dict[str, Any] | None = None
     torch_dtype: str | None = None
     bos_token_id: int | None = None
@@ -63,6 +67,8 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                sliding_window=_sliding_window(raw),
+                full_attention_layers=_full_attention_layers(raw),
                 rope_scaling=scaling,
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 bos_token_id=raw.get("bos_token_id"),
@@ -72,6 +78,14 @@ class ModelConfig:
             raise ValueError(f"{source}: missing field {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: invalid value: {exc}") from None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: full causal attention)."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
@@ -83,6 +97,29 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """config.json's sliding_window; null or absent: none. Qwen2/3 configs state one that applies
+    only with use_sliding_window (false in the released checkpoints), as transformers reads them.
+    """
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", True):
+        return None
+    return int(window)
+
+
+def _full_attention_layers(raw: dict[str, Any]) -> frozenset[int]:
+    """Layers without the window: "full_attention" in layer_types (transformers 5 writes them),
+    else Qwen's first max_window_layers layers, else none."""
+    if _sliding_window(raw) is None:
+        return frozenset()
+    types = raw.get("layer_types")
+    if types:
+        return frozenset(i for i, kind in enumerate(types) if kind != "sliding_attention")
+    if "use_sliding_window" in raw and raw.get("max_window_layers") is not None:
+        return frozenset(range(int(raw["max_window_layers"])))
+    return frozenset()
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ import torch
 from weft.kernels.decode_attention import decode_attention, default_num_kv_splits
 from weft.kernels.extend_attention import extend_attention
 from weft.kernels.kv_store import kv_store
-from weft.runtime.attention import AttentionBackend
+from weft.runtime.attention import FULL_ATTENTION, AttentionBackend, AttentionOptions
 from weft.runtime.core import ForwardBatch
 
 
@@ -62,7 +62,14 @@ class TritonAttention(AttentionBackend):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        *,
+        options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         self.store_kv(k, v, layer, batch)
         k_buf = self.kv_pool.k_buffers[layer]
@@ -81,6 +88,8 @@ class TritonAttention(AttentionBackend):
                 batch.seq_lens,
                 sm_scale,
                 num_kv_splits=self._num_kv_splits,
+                sliding_window=options.sliding_window,
+                logit_cap=options.logit_cap,
             )  # [B, Hq, D], B == T
             return out.view(num_tokens, num_heads * head_dim)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -94,6 +103,8 @@ class TritonAttention(AttentionBackend):
                 batch.seq_lens[:d],
                 sm_scale,
                 num_kv_splits=self._num_kv_splits,
+                sliding_window=options.sliding_window,
+                logit_cap=options.logit_cap,
                 out=out[:d],
             )
         extend_attention(
@@ -106,6 +117,8 @@ class TritonAttention(AttentionBackend):
             self._rest_prefix_lens,
             self._max_extend_len,
             sm_scale,
+            sliding_window=options.sliding_window,
+            logit_cap=options.logit_cap,
             out=out[d:],
         )  # [T - d, Hq, D]
         return out.view(num_tokens, num_heads * head_dim)

@@ -65,12 +65,35 @@ CONFIGS = {
         tie_word_embeddings=True,
         rope_theta=1000000.0,
     ),
+    # Mistral: sliding windows shorter than the longer prompts (up to 64 tokens, chunks of 16)
+    "mistral-gqa-window8-untied": dict(
+        arch="mistral",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        sliding_window=8,
+        tie_word_embeddings=False,
+    ),
+    "mistral-gqa-window24-tied": dict(
+        arch="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=24,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
 }
 # arch -> (config class, model class)
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
 }
 
 VOCAB = 160

@@ -138,3 +138,77 @@ def test_cli_generate(stories_dir):
         cmd[:5] + ["/nonexistent"] + cmd[6:], capture_output=True, text=True, timeout=120, cwd="/"
     )
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+_SHAPE = {
+    "vocab_size": 300,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "windows"),
+    [
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, [4096] * 4),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, [None] * 4),
+        ({"architectures": ["MistralForCausalLM"]}, [None] * 4),
+        # Mistral's window holds in every layer, as in transformers (it ignores layer_types)
+        (
+            {
+                "architectures": ["MistralForCausalLM"],
+                "sliding_window": 8,
+                "layer_types": ["full_attention", "sliding_attention"] * 2,
+            },
+            [8] * 4,
+        ),
+        # Qwen2.5 checkpoints state a window that applies only with use_sliding_window
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "sliding_window": 32768,
+                "use_sliding_window": False,
+                "max_window_layers": 2,
+            },
+            [None] * 4,
+        ),
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "sliding_window": 16,
+                "use_sliding_window": True,
+                "max_window_layers": 2,
+            },
+            [None, None, 16, 16],
+        ),
+        (
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "sliding_window": 16,
+                "use_sliding_window": True,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+            },
+            [16, None, 16, None],
+        ),
+    ],
+    ids=[
+        "mistral",
+        "mistral-null",
+        "mistral-absent",
+        "mistral-layer-types",
+        "qwen2-off",
+        "qwen2-max-window-layers",
+        "qwen3-layer-types",
+    ],
+)
+def test_sliding_window_per_layer_from_config(tmp_path, extra, windows):
+    """config.json's sliding window reaches each layer's attention options (dummy weights)."""
+    (tmp_path / "config.json").write_text(json.dumps({**_SHAPE, **extra}))
+    engine = make_engine(tmp_path, load_format="dummy", max_total_tokens=256)
+    model = engine.runner.model
+    assert [layer.self_attn.options.sliding_window for layer in model.layers] == windows
+    out = engine.generate(input_ids=PROMPT * 4, sampling_params=GREEDY)
+    assert len(out["output_ids"]) == 10
+    engine.shutdown()

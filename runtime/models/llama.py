@@ -1,4 +1,5 @@
-"""Llama (2, 3, 3.1) decoder; Qwen2 (qkv bias) and Qwen3 (q/k norm) are short subclasses."""
+"""Llama (2, 3, 3.1) decoder; Qwen2 (qkv bias), Qwen3 (q/k norm) and Mistral (sliding window)
+are short subclasses."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from weft.runtime.attention import AttentionBackend
+from weft.runtime.attention import AttentionBackend, AttentionOptions
 from weft.runtime.core import ForwardBatch
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.layers import (
@@ -47,6 +48,8 @@ class Attention(nn.Module):
         # Qwen3: an RMSNorm over each q and k head, before rope
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # Mistral (and Qwen with use_sliding_window): the layer's window travels with each call
+        self.options = AttentionOptions(sliding_window=cfg.layer_window(layer))
 
     def forward(
         self, x: torch.Tensor, rope: RopeStep, batch: ForwardBatch, attn: AttentionBackend
@@ -62,7 +65,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm.per_head(q, fused), self.k_norm.per_head(k, fused)), dim=1)
         q, k = Rotary.rotate(qk, rope).split(heads, dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn.forward(q, k, v, self.layer, batch))
+        return self.o_proj(attn.forward(q, k, v, self.layer, batch, options=self.options))
 
 
 class MLP(nn.Module):

@@ -74,6 +74,22 @@ def poison_unused(
     buf[slots[unused]] = float("nan")
 
 
+def poison_before(
+    buf: torch.Tensor,
+    table: torch.Tensor,
+    row_ids: torch.Tensor,
+    starts: torch.Tensor,
+    page_size: int,
+) -> None:
+    """NaN into the slots of positions < starts[b] of each request: keys before every query's
+    sliding window, which a kernel must skip, not mask (0 * a NaN value is NaN in p @ V)."""
+    cols = table.shape[1]
+    pos = torch.arange(cols * page_size, device=table.device)
+    entries = table[row_ids.long()][:, pos // page_size].long()  # [B, cols * page_size]
+    slots = entries * page_size + pos % page_size
+    buf[slots[pos[None, :] < starts.long()[:, None]]] = float("nan")
+
+
 def assert_rounding_close(
     got: torch.Tensor, ref: torch.Tensor, ulps: int = 2, atol: float = 0.0
 ) -> None:

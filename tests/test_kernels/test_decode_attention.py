@@ -1,4 +1,5 @@
-"""Paged decode attention vs its torch twin (float64): page sizes, GQA, splits, strides."""
+"""Paged decode attention vs its torch twin (float64): page sizes, GQA, splits, strides, sliding
+windows and soft-capping."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .kernel_utils import (
     REL_TOL,
     SMALL_DEVICE,
     generator,
+    poison_before,
     poison_unused,
     poisoned,
     randn,
@@ -62,14 +64,29 @@ def _case(
     )
 
 
-def _check(args: dict, dtype: torch.dtype, **kwargs: object) -> None:
+def _check(
+    args: dict,
+    dtype: torch.dtype,
+    *,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    **kwargs: object,
+) -> None:
     q = args["q"]
-    out = poisoned(tuple(q.shape), q.dtype, q.device)
-    result = decode_attention(**args, out=out, **kwargs)
-    assert result is out
     as64 = {k: (v.double() if k in ("q", "k_buffer", "v_buffer") else v) for k, v in args.items()}
     # the reference reads only positions < seq_len too, so it must not see the NaNs either
-    ref = decode_attention_ref(**as64)
+    ref = decode_attention_ref(**as64, sliding_window=sliding_window, logit_cap=logit_cap)
+    if sliding_window is not None:  # the kernel must not even read the keys before the window
+        starts = (args["seq_lens"] - sliding_window).clamp(min=0)
+        for buf in (args["k_buffer"], args["v_buffer"]):
+            poison_before(
+                buf, args["req_to_token"], args["req_pool_indices"], starts, args["page_size"]
+            )
+    out = poisoned(tuple(q.shape), q.dtype, q.device)
+    result = decode_attention(
+        **args, out=out, sliding_window=sliding_window, logit_cap=logit_cap, **kwargs
+    )
+    assert result is out
     err = rel_err(out, ref)
     assert err < REL_TOL[dtype], err
 
@@ -127,6 +144,25 @@ def test_decode_merge_reads_only_written_splits(request, monkeypatch):
     _check(args, torch.float32, num_kv_splits=4, block_n=16)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    ("window", "cap"),
+    [(5, None), (16, None), (1, None), (100, None), (None, 2.5), (7, 30.0)],
+    ids=["w5", "w16", "w1", "w100-longer", "cap2.5", "w7-cap30"],
+)
+def test_decode_window_and_softcap(request, page_size, window, cap):
+    """Sliding windows shorter and longer than the contexts (the keys before a window are NaN:
+    they are skipped) and logit soft-capping, over several splits and pages."""
+    lens = [1, 37, 20, 6, 64]
+    args = _case(request.node.nodeid, SMALL_DEVICE, torch.float32, lens, 4, 2, 16, page_size)
+    _check(args, torch.float32, sliding_window=window, logit_cap=cap, num_kv_splits=3, block_n=16)
+
+
+def test_decode_window_bf16_default_splits(request):
+    args = _case(request.node.nodeid, SMALL_DEVICE, torch.bfloat16, [70, 9, 33], 8, 2, 32, 1)
+    _check(args, torch.bfloat16, sliding_window=24, logit_cap=20.0, max_seq_len=70)
+
+
 def test_decode_rejects_bad_inputs(request):
     args = _case(request.node.nodeid, SMALL_DEVICE, torch.float32, [4], 4, 2, 16, 1)
     with pytest.raises(ValueError, match="multiple"):
@@ -137,6 +173,10 @@ def test_decode_rejects_bad_inputs(request):
         decode_attention(**{**args, "k_buffer": args["k_buffer"].transpose(1, 2)})
     with pytest.raises(ValueError, match="seq_lens"):
         decode_attention(**{**args, "seq_lens": args["seq_lens"].repeat(2)})
+    with pytest.raises(ValueError, match="sliding_window"):
+        decode_attention(**args, sliding_window=0)
+    with pytest.raises(ValueError, match="logit_cap"):
+        decode_attention(**args, logit_cap=-1.0)
 
 
 @pytest.mark.cuda

@@ -1,4 +1,5 @@
-"""Paged extend attention vs its torch twin (float64): prefixes, causal blocks, pages, GQA."""
+"""Paged extend attention vs its torch twin (float64): prefixes, causal blocks, pages, GQA, sliding
+windows and soft-capping."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .kernel_utils import (
     REL_TOL,
     SMALL_DEVICE,
     generator,
+    poison_before,
     poison_unused,
     poisoned,
     randn,
@@ -64,13 +66,36 @@ def _case(
     )
 
 
-def _check(args: dict, dtype: torch.dtype, max_extend_len: int, **kwargs: object) -> None:
+def _check(
+    args: dict,
+    dtype: torch.dtype,
+    max_extend_len: int,
+    *,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    **kwargs: object,
+) -> None:
     q = args["q"]
-    out = poisoned(tuple(q.shape), q.dtype, q.device)
-    result = extend_attention(**args, max_extend_len=max_extend_len, out=out, **kwargs)
-    assert result is out
     as64 = {k: (v.double() if k in ("q", "k_buffer", "v_buffer") else v) for k, v in args.items()}
-    err = rel_err(out, extend_attention_ref(**as64))
+    ref = extend_attention_ref(**as64, sliding_window=sliding_window, logit_cap=logit_cap)
+    if sliding_window is not None:
+        # keys before the first new token's window are outside every query's: never read
+        starts = (args["prefix_lens"] - sliding_window + 1).clamp(min=0)
+        for buf in (args["k_buffer"], args["v_buffer"]):
+            poison_before(
+                buf, args["req_to_token"], args["req_pool_indices"], starts, args["page_size"]
+            )
+    out = poisoned(tuple(q.shape), q.dtype, q.device)
+    result = extend_attention(
+        **args,
+        max_extend_len=max_extend_len,
+        out=out,
+        sliding_window=sliding_window,
+        logit_cap=logit_cap,
+        **kwargs,
+    )
+    assert result is out
+    err = rel_err(out, ref)
     assert err < REL_TOL[dtype], err
 
 
@@ -119,6 +144,30 @@ def test_extend_grid_larger_than_needed(request):
     """max_extend_len is an upper bound: extra query blocks must do nothing."""
     args = _case(request.node.nodeid, SMALL_DEVICE, torch.float32, [3], [5], 2, 1, 16, 1)
     _check(args, torch.float32, 40, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    ("window", "cap"),
+    [(5, None), (16, None), (1, None), (100, None), (None, 2.5), (7, 30.0)],
+    ids=["w5", "w16", "w1", "w100-longer", "cap2.5", "w7-cap30"],
+)
+def test_extend_window_and_softcap(request, page_size, window, cap):
+    """Sliding windows shorter and longer than prefixes and query blocks (rows that see nothing
+    in a block's first key tiles), cached prefixes whose early keys are NaN (skipped), one-token
+    extends; and logit soft-capping."""
+    prefix, ext = [0, 12, 40, 3, 25], [37, 20, 1, 5, 40]
+    args = _case(request.node.nodeid, SMALL_DEVICE, torch.float32, prefix, ext, 4, 2, 16, page_size)
+    _check(
+        args, torch.float32, max(ext), sliding_window=window, logit_cap=cap, block_m=16, block_n=16
+    )
+
+
+def test_extend_window_wider_query_block_bf16(request):
+    """BLOCK_M 32 > BLOCK_N 16 with a window of 4: rows past the first key tile see none of it."""
+    prefix, ext = [9, 0], [40, 33]
+    args = _case(request.node.nodeid, SMALL_DEVICE, torch.bfloat16, prefix, ext, 2, 1, 32, 1)
+    _check(args, torch.bfloat16, 40, sliding_window=4, logit_cap=10.0, block_m=32, block_n=16)
 
 
 def test_extend_rejects_bad_inputs(request):

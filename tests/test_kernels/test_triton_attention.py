@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from weft.runtime.attention import TorchAttention
+from weft.runtime.attention import FULL_ATTENTION, AttentionOptions, TorchAttention
 from weft.runtime.core import ForwardBatch
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool
 from weft.runtime.triton_attention import TritonAttention
@@ -86,7 +86,18 @@ def _setup(
     return pool, table, batch, g
 
 
-def _compare(name, device, dtype, prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim):
+def _compare(
+    name,
+    device,
+    dtype,
+    prefix_lens,
+    extend_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    options=(FULL_ATTENTION,),
+):
+    """Each layer runs once per options in `options` (different windows share a step's prepare)."""
     pool, table, batch, g = _setup(
         name, device, dtype, prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim
     )
@@ -97,17 +108,18 @@ def _compare(name, device, dtype, prefix_lens, extend_lens, num_heads, num_kv_he
     assert triton_backend._num_decode == leading  # the decode kernel takes the leading decodes
     num_tokens = batch.num_tokens
     for layer in range(NUM_LAYERS):
-        # q, k as the model passes them: head slices of one [T, Hq + Hkv, D] tensor
-        qk = randn((num_tokens, num_heads + num_kv_heads, head_dim), dtype, device, g)
-        q, k = qk.split([num_heads, num_kv_heads], dim=1)
-        v = randn((num_tokens, num_kv_heads, head_dim), dtype, device, g)
-        got = triton_backend.forward(q, k, v, layer, batch)
-        stored_k = pool.k_buffers[layer][batch.out_cache_loc].clone()
-        want = reference.forward(q, k, v, layer, batch)
-        assert torch.equal(stored_k, k)  # the Triton store wrote the new keys first
-        assert got.shape == want.shape == (num_tokens, num_heads * head_dim)
-        err = rel_err(got, want.float())
-        assert err < TOL[dtype], f"layer {layer}: {err}"
+        for opts in options:
+            # q, k as the model passes them: head slices of one [T, Hq + Hkv, D] tensor
+            qk = randn((num_tokens, num_heads + num_kv_heads, head_dim), dtype, device, g)
+            q, k = qk.split([num_heads, num_kv_heads], dim=1)
+            v = randn((num_tokens, num_kv_heads, head_dim), dtype, device, g)
+            got = triton_backend.forward(q, k, v, layer, batch, options=opts)
+            stored_k = pool.k_buffers[layer][batch.out_cache_loc].clone()
+            want = reference.forward(q, k, v, layer, batch, options=opts)
+            assert torch.equal(stored_k, k)  # the Triton store wrote the new keys first
+            assert got.shape == want.shape == (num_tokens, num_heads * head_dim)
+            err = rel_err(got, want.float())
+            assert err < TOL[dtype], f"layer {layer} {opts}: {err}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,6 +151,40 @@ def test_triton_matches_torch_head_layouts(request, num_heads, num_kv_heads, hea
             num_kv_heads,
             head_dim,
         )
+
+
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens"),
+    [
+        ([0, 12, 39, 4], [1, 1, 1, 1]),
+        ([0, 0], [9, 23]),
+        ([17, 5, 30], [6, 20, 2]),
+        ([30, 8, 0, 12], [1, 1, 14, 1]),
+    ],
+    ids=["decode", "prefill", "extend", "decodes-first"],
+)
+def test_triton_matches_torch_windows_and_softcap(request, prefix_lens, extend_lens):
+    """Per-layer options as Gemma 3 mixes them: windows shorter and longer than the contexts,
+    soft-capping with and without a window, and full attention, in one step."""
+    options = (
+        AttentionOptions(sliding_window=6),
+        AttentionOptions(logit_cap=3.0),
+        FULL_ATTENTION,
+        AttentionOptions(sliding_window=16, logit_cap=5.0),
+        AttentionOptions(sliding_window=1),
+        AttentionOptions(sliding_window=6),  # the step's masks for a window are built once
+    )
+    _compare(
+        request.node.nodeid,
+        SMALL_DEVICE,
+        torch.float32,
+        prefix_lens,
+        extend_lens,
+        4,
+        2,
+        16,
+        options,
+    )
 
 
 def test_stories_greedy_with_triton_attention(stories_dir):
