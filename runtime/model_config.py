@@ -100,11 +100,15 @@ class ModelConfig:
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
-    """config.json's sliding_window; null or absent: none. Qwen2/3 configs state one that applies
+    """config.json's sliding_window (null: none). Qwen2/3 configs state one that applies
     only with use_sliding_window (false in the released checkpoints), as transformers reads them.
     """
-    window = raw.get("sliding_window")
-    if window is None or not raw.get("use_sliding_window", True):
+    arch = (raw.get("architectures") or [""])[0]
+    # NOTE: the defaults are transformers' own: MistralConfig's sliding_window is 4096 when the
+    # key is absent, and Qwen2/3 configs use their window only when use_sliding_window says so
+    window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if window is None or not raw.get("use_sliding_window", not qwen):
         return None
     return int(window)
 

@@ -154,7 +154,9 @@ _SHAPE = {
     [
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, [4096] * 4),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, [None] * 4),
-        ({"architectures": ["MistralForCausalLM"]}, [None] * 4),
+        # transformers' MistralConfig defaults the key to 4096; Qwen's use_sliding_window to false
+        ({"architectures": ["MistralForCausalLM"]}, [4096] * 4),
+        ({"architectures": ["Qwen3ForCausalLM"], "sliding_window": 16}, [None] * 4),
         # Mistral's window holds in every layer, as in transformers (it ignores layer_types)
         (
             {
@@ -197,6 +199,7 @@ _SHAPE = {
         "mistral",
         "mistral-null",
         "mistral-absent",
+        "qwen3-no-use-sliding-window",
         "mistral-layer-types",
         "qwen2-off",
         "qwen2-max-window-layers",
