@@ -199,11 +199,8 @@ class _Split:
     answer: str = ""
 
     def update(self, text: str, finished: bool) -> tuple[str, str]:
-        thought, answer = self.parser.feed(text[self.fed :])
+        thought, answer = self.parser.feed(text[self.fed :], final=finished)
         self.fed = len(text)
-        if finished:
-            more, rest = self.parser.finish()
-            thought, answer = thought + more, answer + rest
         self.reasoning += thought
         self.answer += answer
         return self.reasoning, self.answer

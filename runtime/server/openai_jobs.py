@@ -267,10 +267,7 @@ class ChatJob(Job):
         by itself (`_cut_off`): what the parser holds back at its end may begin a call, dropped."""
         deltas: list[dict[str, Any]] = []
         if cur.reasoning is not None:
-            thought, text = cur.reasoning.feed(text)
-            if finished:
-                more, rest = cur.reasoning.finish()
-                thought, text = thought + more, text + rest
+            thought, text = cur.reasoning.feed(text, final=finished)
             if thought:
                 deltas.append({"reasoning_content": thought})
         if cur.parser is None:

@@ -107,10 +107,15 @@ class ReasoningParser:
         self.unsent = ""  # reasoning held back while stream_reasoning is false
         self.content_started = False  # content after the end marker: leading whitespace dropped
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """New text -> (reasoning, content) that can be sent now."""
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """New text -> (reasoning, content) that can be sent now; `final`: the output ended with
+        it, so everything held back comes too."""
         self.pending += text
-        return self._advance(final=False)
+        reasoning, content = self._advance(final=False)
+        if final:
+            more, rest = self._advance(final=True)
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content
 
     def finish(self) -> tuple[str, str]:
         """The output ended: everything held back."""
@@ -171,10 +176,7 @@ class ReasoningParser:
 
 def split_reasoning(fmt: ReasoningFormat, text: str, in_reasoning: bool) -> tuple[str, str]:
     """A whole output -> (reasoning, content), as a stream of it would send them."""
-    parser = ReasoningParser(fmt, in_reasoning)
-    r1, c1 = parser.feed(text)
-    r2, c2 = parser.finish()
-    return r1 + r2, c1 + c2
+    return ReasoningParser(fmt, in_reasoning).feed(text, final=True)
 
 
 @dataclass(frozen=True)
