@@ -115,9 +115,7 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
 
 def _full_attention_layers(raw: dict[str, Any]) -> frozenset[int]:
     """Layers without the window: "full_attention" in layer_types (transformers 5 writes them),
-    else Qwen's first max_window_layers layers, else none."""
-    if _sliding_window(raw) is None:
-        return frozenset()
+    else Qwen's first max_window_layers layers, else none (unread without a window)."""
     types = raw.get("layer_types")
     if types:
         return frozenset(i for i, kind in enumerate(types) if kind != "sliding_attention")
