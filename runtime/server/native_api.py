@@ -121,9 +121,11 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
         rid = reqs[-1].rid
         if sp.constraint is not None:
             constraint_params[rid] = f"{where}.{sp.constraint[0]}"
+        # the prompt's end is a decode per prompt: only where the split is asked for
+        prompt_end = _prompt_end(tm, ids) if fmt and obj.separate_reasoning else ""
         plan = plan_reasoning(
             fmt,
-            _prompt_end(tm, ids),
+            prompt_end,
             separate=obj.separate_reasoning,
             stream_reasoning=obj.stream_reasoning,
             default=False,
