@@ -1,0 +1,154 @@
+"""The fused MoE kernels vs their torch twin (float64), and the expert grouping they read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft.kernels.fused_moe import (
+    MoeTiles,
+    align_by_expert,
+    fused_experts,
+    fused_moe,
+    padded_capacity,
+)
+from weft.kernels.fused_moe_ref import experts_ref, fused_moe_ref, route_topk
+
+from .kernel_utils import REL_TOL, SMALL_DEVICE, generator, randn, rel_err
+
+TINY = MoeTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+
+
+def test_route_topk_renormalises_on_request():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 0.0, 0.0, 1.0]])
+    weights, ids = route_topk(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids.tolist() == [[3, 2], [0, 3]]
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    normed, _ = route_topk(logits, 2, renormalize=True)
+    torch.testing.assert_close(normed, weights / weights.sum(-1, keepdim=True))
+
+
+def test_align_by_expert_groups_and_pads():
+    # 3 tokens, k = 2, 4 experts; expert 2 gets nothing, expert 1 gets three entries
+    ids = torch.tensor([[1, 0], [1, 3], [3, 1]])
+    entries, blocks = align_by_expert(ids, num_experts=4, block_m=4)
+    n = 6
+    # capacity: 6 entries + 4 experts * 3 padding rows, rounded up to whole blocks
+    assert entries.numel() == padded_capacity(n, 4, 4) == 20
+    # expert 0: entry 1; expert 1: entries 0, 2, 5; expert 3: entries 3, 4 (each padded to 4)
+    assert entries.tolist() == [1, n, n, n, 0, 2, 5, n, 3, 4, n, n] + [n] * 8
+    assert blocks.tolist() == [0, 1, 3, 4, 4]  # 4 (= E): unused blocks
+
+
+def _case(name, device, dtype, *, tokens, hidden, inter, experts, top_k, renormalize, tiles):
+    g = generator(name, device)
+    x = randn((tokens, hidden), dtype, device, g)
+    logits = randn((tokens, experts), torch.float32, device, g)
+    logits[:, -1] = -1e4  # the last expert never wins: a block-free expert
+    w13 = randn((experts, 2 * inter, hidden), dtype, device, g) / hidden**0.5
+    w2 = randn((experts, hidden, inter), dtype, device, g) / inter**0.5
+    got = fused_moe(x, logits, w13, w2, top_k=top_k, renormalize=renormalize, tiles=tiles)
+    want = fused_moe_ref(
+        x.double(), logits, w13.double(), w2.double(), top_k=top_k, renormalize=renormalize
+    )
+    assert got.shape == x.shape and got.dtype == dtype
+    assert rel_err(got, want) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "experts", "top_k", "renormalize"),
+    [
+        (1, 32, 16, 4, 2, True),  # decode: one token, two experts
+        (7, 40, 24, 6, 3, False),  # ragged H and I (masked K and N), tokens share experts
+        (20, 32, 16, 3, 2, True),  # more than BLOCK_M rows for one expert: several blocks
+    ],
+)
+def test_fused_moe_matches_twin(request, dtype, tokens, hidden, inter, experts, top_k, renormalize):
+    _case(
+        request.node.nodeid,
+        SMALL_DEVICE,
+        dtype,
+        tokens=tokens,
+        hidden=hidden,
+        inter=inter,
+        experts=experts,
+        top_k=top_k,
+        renormalize=renormalize,
+        tiles=TINY,
+    )
+
+
+def test_fused_experts_same_expert_twice_in_a_batch(request):
+    """Every token picks experts 2 and 0; experts 1 and 3 have no rows."""
+    g = generator(request.node.nodeid, SMALL_DEVICE)
+    x = randn((5, 32), torch.float32, SMALL_DEVICE, g)
+    w13 = randn((4, 32, 32), torch.float32, SMALL_DEVICE, g)
+    w2 = randn((4, 32, 16), torch.float32, SMALL_DEVICE, g)
+    ids = torch.tensor([[2, 0]] * 5, device=SMALL_DEVICE)
+    weights = torch.rand((5, 2), generator=g, device=SMALL_DEVICE)
+    got = fused_experts(x, w13, w2, weights, ids, tiles=TINY)
+    want = experts_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    assert rel_err(got, want) < REL_TOL[torch.float32]
+
+
+def test_fused_experts_checks():
+    x = torch.ones((2, 32), device=SMALL_DEVICE)
+    w13 = torch.ones((4, 32, 32), device=SMALL_DEVICE)
+    ids = torch.zeros((2, 2), dtype=torch.int64, device=SMALL_DEVICE)
+    weights = torch.ones((2, 2), device=SMALL_DEVICE)
+    with pytest.raises(ValueError, match="w2: expected shape"):
+        fused_experts(x, w13, torch.ones((4, 16, 32), device=SMALL_DEVICE), weights, ids)
+    with pytest.raises(ValueError, match="weights: dtype"):
+        fused_experts(x, w13, torch.ones((4, 32, 16)), weights.double(), ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 16, 64, 300])
+def test_fused_moe_qwen3_30b_shapes_cuda(request, tokens):
+    """Qwen3-30B-A3B's layer (H 2048, 128 experts, top-8, I 768) in bf16: the decode tiles at
+    1..64 tokens, the prefill tiles at 300."""
+    _case(
+        request.node.nodeid,
+        torch.device("cuda"),
+        torch.bfloat16,
+        tokens=tokens,
+        hidden=2048,
+        inter=768,
+        experts=128,
+        top_k=8,
+        renormalize=True,
+        tiles=None,
+    )
+
+
+@pytest.mark.cuda
+def test_fused_moe_in_a_cuda_graph(request):
+    """Captured once, replayed with other routing: no sizes taken from the routing's values."""
+    dev = torch.device("cuda")
+    g = generator(request.node.nodeid, dev)
+    x = randn((8, 256), torch.bfloat16, dev, g)
+    logits = randn((8, 16), torch.float32, dev, g)
+    w13 = randn((16, 2 * 128, 256), torch.bfloat16, dev, g) / 16
+    w2 = randn((16, 256, 128), torch.bfloat16, dev, g) / 12
+
+    def step():
+        return fused_moe(x, logits, w13, w2, top_k=4, renormalize=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        logits.copy_(randn((8, 16), torch.float32, dev, g))
+        x.copy_(randn((8, 256), torch.bfloat16, dev, g))
+        graph.replay()
+        want = fused_moe_ref(
+            x.double(), logits, w13.double(), w2.double(), top_k=4, renormalize=True
+        )
+        assert rel_err(out, want) < REL_TOL[torch.bfloat16]
