@@ -38,9 +38,9 @@ def experts_ref(
     Returns [T, H] in x's dtype; each expert runs once, on the rows routed to it.
     NOTE: reads the routing on the host (one sync): the CPU path, not a CUDA-graph step.
     """
-    k = ids.shape[1]
+    num_tokens, k = ids.shape
     acc_dtype = torch.promote_types(x.dtype, torch.float32)  # float64 stays (the tests' twin)
-    out = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
+    y = torch.empty((num_tokens * k, x.shape[1]), dtype=acc_dtype, device=x.device)  # per entry
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # entries t * k + j grouped by expert
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
@@ -50,10 +50,10 @@ def experts_ref(
             continue
         entries = order[start : start + count]
         start += count
-        rows = entries // k
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
-        out.index_add_(0, rows, y.to(acc_dtype) * weights.reshape(-1)[entries, None].to(acc_dtype))
+        gate, up = F.linear(x[entries // k], w13[expert]).chunk(2, dim=-1)
+        y[entries] = F.linear(F.silu(gate) * up, w2[expert]).to(acc_dtype)
+    # NOTE: rows scaled and summed per token, not index_add_ per expert (~0.5 ms a call on CPUs)
+    out = (y.view(num_tokens, k, -1) * weights.to(acc_dtype)[:, :, None]).sum(dim=1)
     return out.to(x.dtype)
 
 
