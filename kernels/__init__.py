@@ -6,6 +6,7 @@
     rmsnorm            fused residual add + RMSNorm
     rotary             rotate-half RoPE from cos/sin tables
     activation         SiLU-and-mul
+    fused_moe          mixture-of-experts MLP: top-k routing + grouped expert GEMMs
 
 Import the modules themselves (`from weft.kernels.rmsnorm import rmsnorm`): this package imports
 nothing, so `import weft.kernels` works where Triton is not installed.
