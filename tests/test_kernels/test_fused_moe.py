@@ -152,3 +152,45 @@ def test_fused_moe_in_a_cuda_graph(request):
             x.double(), logits, w13.double(), w2.double(), top_k=4, renormalize=True
         )
         assert rel_err(out, want) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_sparse_moe_layer_matches_transformers(request, renormalize):
+    """weft's SparseMoE (the model's layer) on transformers' Qwen3-MoE block weights: the torch
+    twin and the kernels (fused) both give the block's output."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from weft.runtime.model_config import ModelConfig
+    from weft.runtime.models.moe import SparseMoE
+
+    shape = dict(hidden_size=32, moe_intermediate_size=16, num_experts=5, num_experts_per_tok=2)
+    hf_config = transformers_config(norm_topk_prob=renormalize, **shape)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(hf_config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    raw = {**hf_config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
+    ours = SparseMoE(ModelConfig.from_dict(raw), torch.float32).to(SMALL_DEVICE)
+    with torch.no_grad():
+        ours.gate.weight.copy_(block.gate.weight)
+        ours.experts.gate_up_proj.copy_(block.experts.gate_up_proj)
+        ours.experts.down_proj.copy_(block.experts.down_proj)
+        x = torch.randn(6, 32)
+        want = block(x[None])[0]
+        for fused in (False, True):
+            got = ours(x.to(SMALL_DEVICE), fused).cpu()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def transformers_config(**fields):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **fields,
+    )
