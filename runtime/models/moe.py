@@ -46,7 +46,7 @@ class Experts(nn.Module):
         target = param[expert]
         if name == "gate_up_proj":
             target = target[half * self.inter : (half + 1) * self.inter]
-        load_plain(target, tensor, f"experts.{expert}.{proj}")  # type: ignore[arg-type]
+        load_plain(target, tensor, f"experts.{expert}.{proj}")
         return name
 
     def expected_shards(self, name: str) -> int:
