@@ -7,17 +7,12 @@
       -> y [T*k, H] = weight * inter @ down_e^T                 kernel 2, w2 [E, H, I]
       -> out [T, H] = sum over the k rows of each token
 
-The grouping (`align_by_expert`):
-
-    sorted_entries [P]   entry ids (t * k + j), expert by expert; NUM = T * k marks a padding row
-    block_expert [P/BM]  the expert of each BLOCK_M rows of sorted_entries; E past the used blocks
-
-Each program of a kernel takes one BLOCK_M block (rows of one expert) and one BLOCK_N band of
+The grouping (kernels/moe_routing.py) lays the entries of each expert out in blocks of BLOCK_M
+rows. Each program of a kernel here takes one block (rows of one expert) and one BLOCK_N band of
 the output features, and streams that band of the expert's weight once: a step reads only the
-weights of the experts its tokens chose. P is the worst case for T alone (every expert that
-can be chosen padded by BLOCK_M - 1), so nothing in a step's launch depends on the routing's
-values: no host sync, and a CUDA graph captured at T replays for any routing. Blocks past the
-used ones see expert E and return at once.
+weights of the experts its tokens chose. Launch sizes come from T alone (padded to the worst
+case), so a CUDA graph captured at T replays for any routing; blocks past the used ones see
+expert E and return at once.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ import triton.language as tl
 
 from weft.kernels._attn import dot
 from weft.kernels._checks import FLOAT_DTYPES, check, check_shape, check_tensor, dot_mode
-from weft.kernels.fused_moe_ref import route_topk
+from weft.kernels.moe_routing import align_by_expert, topk_softmax
 
 
 @dataclass(frozen=True)
@@ -60,36 +55,6 @@ def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
     if per_expert <= 32:
         return MoeTiles(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
     return MoeTiles(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
-
-
-def padded_capacity(num_entries: int, num_experts: int, block_m: int) -> int:
-    """P: the most rows the grouping can need for `num_entries` = T * k entries. At most
-    min(E, T * k) experts hold entries, each padded by at most block_m - 1 rows."""
-    worst = num_entries + min(num_experts, num_entries) * (block_m - 1)
-    return triton.cdiv(worst, block_m) * block_m
-
-
-def align_by_expert(
-    ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [T, k] -> (sorted_entries [P] int32, block_expert [P / block_m] int32); see the
-    module docstring. Device ops of shapes fixed by T, k, E and block_m only."""
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    cap = padded_capacity(n, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # NOTE: not bincount (sized by values)
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)  # entries by expert, in token order within one
-    expert = flat[order]
-    rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    dest = (ends - padded)[expert] + rank
-    sorted_entries = torch.full((cap,), n, dtype=torch.int32, device=ids.device)
-    sorted_entries.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, cap, block_m, device=ids.device)
-    block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
-    return sorted_entries, block_expert
 
 
 @triton.jit
@@ -226,7 +191,7 @@ def fused_experts(
     if n == 0 or hidden == 0:
         return torch.zeros_like(x)
     t = tiles or default_tiles(num_tokens, top_k, num_experts)
-    sorted_entries, block_expert = align_by_expert(ids.long(), num_experts, t.block_m)
+    sorted_entries, block_expert = align_by_expert(ids, num_experts, t.block_m)
     num_blocks = block_expert.numel()
     upcast, precision = dot_mode(x.dtype, dev)
     inter = torch.empty((n, inter_size), dtype=x.dtype, device=dev)
@@ -293,5 +258,5 @@ def fused_moe(
 ) -> torch.Tensor:
     """x [T, H], router_logits [T, E] -> [T, H]: the MoE MLP (twin: fused_moe_ref.fused_moe_ref)."""
     check_shape("router_logits", router_logits, (x.shape[0], w13.shape[0]))
-    weights, ids = route_topk(router_logits, top_k, renormalize)
+    weights, ids = topk_softmax(router_logits, top_k, renormalize)
     return fused_experts(x, w13, w2, weights, ids, tiles=tiles)

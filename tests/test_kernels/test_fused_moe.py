@@ -1,18 +1,20 @@
-"""The fused MoE kernels vs their torch twin (float64), and the expert grouping they read."""
+"""The fused MoE kernels vs their torch twin (float64), and the routing kernels (top-k, the
+grouping by expert) vs theirs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weft.kernels.fused_moe import (
-    MoeTiles,
-    align_by_expert,
-    fused_experts,
-    fused_moe,
-    padded_capacity,
-)
+from weft.kernels import moe_routing
+from weft.kernels.fused_moe import MoeTiles, fused_experts, fused_moe
 from weft.kernels.fused_moe_ref import experts_ref, fused_moe_ref, route_topk
+from weft.kernels.moe_routing import (
+    align_by_expert,
+    align_by_expert_ref,
+    padded_capacity,
+    topk_softmax,
+)
 
 from .kernel_utils import REL_TOL, SMALL_DEVICE, generator, randn, rel_err
 
@@ -29,16 +31,52 @@ def test_route_topk_renormalises_on_request():
     torch.testing.assert_close(normed, weights / weights.sum(-1, keepdim=True))
 
 
-def test_align_by_expert_groups_and_pads():
+@pytest.mark.parametrize("align", [align_by_expert, align_by_expert_ref])
+def test_align_by_expert_groups_and_pads(align):
     # 3 tokens, k = 2, 4 experts; expert 2 gets nothing, expert 1 gets three entries
-    ids = torch.tensor([[1, 0], [1, 3], [3, 1]])
-    entries, blocks = align_by_expert(ids, num_experts=4, block_m=4)
+    ids = torch.tensor([[1, 0], [1, 3], [3, 1]], device=SMALL_DEVICE)
+    entries, blocks = align(ids, num_experts=4, block_m=4)
     n = 6
     # capacity: 6 entries + 4 experts * 3 padding rows, rounded up to whole blocks
     assert entries.numel() == padded_capacity(n, 4, 4) == 20
     # expert 0: entry 1; expert 1: entries 0, 2, 5; expert 3: entries 3, 4 (each padded to 4)
     assert entries.tolist() == [1, n, n, n, 0, 2, 5, n, 3, 4, n, n] + [n] * 8
     assert blocks.tolist() == [0, 1, 3, 4, 4]  # 4 (= E): unused blocks
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "block_m"),
+    [(1, 8, 128, 16), (9, 3, 6, 16), (40, 2, 5, 4), (100, 8, 128, 16), (700, 6, 40, 16)],
+)
+def test_align_kernel_matches_twin(request, tokens, top_k, experts, block_m):
+    """Random routings: 6 experts (BLOCK_E 8 holds two that do not exist), 800 entries (the
+    kernel loops over chunks of 32), and 4200 entries, past the kernel's limit (the twin runs)."""
+    g = generator(request.node.nodeid, SMALL_DEVICE)
+    scores = torch.rand((tokens, experts), generator=g, device=SMALL_DEVICE)
+    ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
+    got = align_by_expert(ids, experts, block_m)
+    want = align_by_expert_ref(ids, experts, block_m)
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    assert (tokens * top_k > moe_routing.ALIGN_KERNEL_MAX_ENTRIES) == (tokens == 700)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("experts", "top_k"), [(128, 8), (6, 3), (5, 5)])
+def test_topk_softmax_matches_twin(request, renormalize, experts, top_k):
+    g = generator(request.node.nodeid, SMALL_DEVICE)
+    # NOTE: float32 logits: bf16 ones tie often, and torch.topk orders ties its own way
+    logits = randn((7, experts), torch.float32, SMALL_DEVICE, g)
+    weights, ids = topk_softmax(logits, top_k, renormalize)
+    want_w, want_ids = route_topk(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_topk_softmax_ties_take_the_lowest_experts_once():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0, 2.0]], device=SMALL_DEVICE)
+    weights, ids = topk_softmax(logits.bfloat16(), 3, renormalize=True)
+    assert ids.tolist() == [[1, 2, 4]]
+    torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3, device=SMALL_DEVICE))
 
 
 def _case(name, device, dtype, *, tokens, hidden, inter, experts, top_k, renormalize, tiles):
