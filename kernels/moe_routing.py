@@ -112,6 +112,7 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """One program. Pass 1 counts each expert's entries; the padded counts' running sum gives
     each expert's first row; pass 2 places each entry at its expert's first row + its rank
@@ -125,8 +126,9 @@ def _align_kernel(
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     placed = ends - padded  # the next free row of each expert
-    for p in range(0, capacity, CHUNK):
-        tl.store(sorted_entries + p + lanes, num_entries, mask=p + lanes < capacity)
+    wide = tl.arange(0, FILL)
+    for p in range(0, capacity, FILL):
+        tl.store(sorted_entries + p + wide, num_entries, mask=p + wide < capacity)
     # NOTE: the padding fill above and the placement below may hit one row from two threads
     tl.debug_barrier()
     for c in range(0, num_entries, CHUNK):
@@ -171,7 +173,8 @@ def align_by_expert(
         cap,
         BLOCK_M=block_m,
         BLOCK_E=block_e,
-        CHUNK=max(16, 4096 // block_e),
+        CHUNK=max(16, 4096 // block_e),  # [BLOCK_E, CHUNK] tiles of ~4096 elements
+        FILL=1024,
         num_warps=4,
     )
     return sorted_entries, block_expert
