@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weft.kernels import moe_routing
-from weft.kernels.fused_moe import MoeTiles, fused_experts, fused_moe
+from weft.kernels.fused_moe import MoeTiles, default_tiles, fused_experts, fused_moe
 from weft.kernels.fused_moe_ref import experts_ref, fused_moe_ref, route_topk
 from weft.kernels.moe_routing import (
     align_by_expert,
@@ -77,6 +77,14 @@ def test_topk_softmax_ties_take_the_lowest_experts_once():
     weights, ids = topk_softmax(logits.bfloat16(), 3, renormalize=True)
     assert ids.tolist() == [[1, 2, 4]]
     torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3, device=SMALL_DEVICE))
+
+
+def test_default_tiles_follow_rows_per_expert():
+    """Qwen3-30B-A3B (128 experts, top-8): the decode tiles up to 256 tokens (the largest CUDA
+    graph), larger blocks as prefill gives each expert more rows."""
+    assert {default_tiles(t, 8, 128).block_m for t in (1, 16, 64, 256)} == {16}
+    assert default_tiles(512, 8, 128).block_m == 32
+    assert default_tiles(8192, 8, 128).block_m == 64
 
 
 def _case(name, device, dtype, *, tokens, hidden, inter, experts, top_k, renormalize, tiles):
