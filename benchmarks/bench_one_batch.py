@@ -5,6 +5,9 @@ prefilled together and decoded to the same length, with the scheduler stepped on
         --load-format dummy [--batch-sizes 1 16 64] [--input-len 128] [--output-len 128] \\
         [--hf-baseline] [--json-out results.jsonl]
 
+benchmarks/configs holds the config.json of llama-3.1-8b, qwen2.5-7b, qwen3-8b and
+qwen3-30b-a3b (a mixture of experts: 61 GB of bf16 weights, one 80 GB GPU holds it).
+
 Per batch size: a fresh engine, one short warm-up pass (the first Triton compiles, autotuning
 and any lazy CUDA-graph capture happen there), then --repeats measured passes. Reported:
 - prefill: the steps until every request has its first token (with chunked prefill a large
@@ -15,6 +18,8 @@ and any lazy CUDA-graph capture happen there), then --repeats measured passes. R
 Baselines measured in the same run:
 - the memory roofline: copy bandwidth over the weight bytes one decode step reads (tok/s at
   batch 1), and the bandwidth weft's step achieves (weights + the KV it reads, over step time);
+  of a mixture of experts (Qwen3-MoE), a step reads the experts its tokens pick: counted as the
+  number uniform routing picks on average (dummy weights route close to uniformly);
 - the GEMV floor (CUDA): every linear layer of the model applied to [batch, in] through
   F.linear, replayed from one CUDA graph: a step built on cuBLAS GEMVs cannot be faster (at
   batch 1 the same is printed through weft's linear, whose Triton GEMV beats cuBLAS there);
@@ -46,6 +51,8 @@ from common import (
     copy_bandwidth,
     decode_weight_bytes,
     describe_device,
+    expected_experts,
+    expert_params,
     random_prompts,
     sync_device,
 )
@@ -96,7 +103,8 @@ class RunInfo:
     vocab_size: int
     backend: str
     copy_gb_s: float
-    weight_bytes: int
+    weight_bytes: int  # one decode step at batch 1
+    batch_weight_bytes: dict[int, int]  # at each batch size (a mixture of experts reads more)
     kv_bytes_per_token: int
     cuda_graphs: bool  # whether the engine replays decode steps from CUDA graphs
     overlap: bool  # whether the scheduler overlaps each step's host work with the next forward
@@ -224,25 +232,33 @@ def run_pass(engine: Engine, prompts: list[list[int]], output_len: int, tag: str
     return Pass(prefill_s, prefill_steps, step_s, kv_tokens, e2e)
 
 
-def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The [out, in] matrices a decode step multiplies: every 2-D parameter except the
-    embedding table, which counts only when it is tied (it is then the lm_head)."""
+def linear_weights(model: torch.nn.Module, batch: int) -> list[tuple[torch.Tensor, int]]:
+    """The [out, in] matrices a decode step of `batch` tokens multiplies, each with the rows it
+    multiplies: every 2-D parameter except the embedding table, which counts only when it is
+    tied (it is then the lm_head), at `batch` rows; of a mixture of experts, the experts the
+    batch is expected to pick (uniform routing), each at its share of the batch * k rows."""
     embed = model.get_parameter("embed_tokens.weight")
     tied = getattr(model, "lm_head", None) is None
-    return [p for p in model.parameters() if p.dim() == 2 and (p is not embed or tied)]
+    out = [(p, batch) for p in model.parameters() if p.dim() == 2 and (p is not embed or tied)]
+    for stacked in expert_params(model):
+        cfg = model.config  # type: ignore[union-attr]
+        picked = max(1, round(expected_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)))
+        rows = -(-batch * cfg.num_experts_per_tok // picked)
+        out += [(stacked[e], rows) for e in range(picked)]
+    return out
 
 
 @torch.inference_mode()
-def gemv_floor_ms(weights: list[torch.Tensor], batch: int, fn: Any = F.linear) -> float:
-    """Median device time of fn([batch, in], W) over all weights, from one CUDA graph."""
-    device = weights[0].device
+def gemv_floor_ms(weights: list[tuple[torch.Tensor, int]], batch: int, fn: Any = F.linear) -> float:
+    """Median device time of fn([rows, in], W) over all (W, rows), from one CUDA graph."""
+    device = weights[0][0].device
     inputs = {
-        w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device) for w in weights
+        w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device) for w, _ in weights
     }
 
     def run() -> None:
-        for w in weights:
-            fn(inputs[w.shape[1]], w)
+        for w, rows in weights:
+            fn(inputs[w.shape[1]][:rows], w)
 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -302,6 +318,7 @@ def measure(args: argparse.Namespace, batch: int, info: RunInfo | None) -> tuple
             backend=type(runner.attention).__name__,
             copy_gb_s=copy_bandwidth(runner.device),
             weight_bytes=decode_weight_bytes(runner.model),
+            batch_weight_bytes={b: decode_weight_bytes(runner.model, b) for b in args.batch_sizes},
             kv_bytes_per_token=runner.kv_pool.bytes_per_token,
             cuda_graphs=getattr(runner, "graphs", None) is not None,
             overlap=getattr(engine.scheduler, "overlap", False),
@@ -324,7 +341,7 @@ def measure(args: argparse.Namespace, batch: int, info: RunInfo | None) -> tuple
         passes.append(one)
     row = summarize(args, batch, passes, info)
     if args.gemv_floor and info.device.type == "cuda":
-        weights = linear_weights(runner.model)
+        weights = linear_weights(runner.model, batch)
         row.gemv_floor_ms = gemv_floor_ms(weights, batch)
         if row.decode_ms is not None:
             row.floor_ratio = row.decode_ms / row.gemv_floor_ms
@@ -360,7 +377,7 @@ def summarize(args: argparse.Namespace, batch: int, passes: list[Pass], info: Ru
     )
     if steps:
         step = statistics.median(steps)
-        read = info.weight_bytes + statistics.mean(kv) * info.kv_bytes_per_token
+        read = info.batch_weight_bytes[batch] + statistics.mean(kv) * info.kv_bytes_per_token
         row.decode_ms = step * 1e3
         row.decode_tok_s = batch / step
         row.achieved_gb_s = read / step / 1e9

@@ -40,12 +40,30 @@ def copy_bandwidth(device: torch.device, mbytes: int = 512, repeats: int = 5) ->
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes one decode step must read: every parameter except an untied embedding table."""
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens pick, k each, under uniform routing (dummy weights route
+    close to uniformly): E * (1 - (1 - k/E)^tokens)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def expert_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The stacked expert weights [E, out, in] of a mixture-of-experts model (none if dense)."""
+    return [p for name, p in model.named_parameters() if ".experts." in name and p.dim() == 3]
+
+
+def decode_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
+    """Bytes one decode step of `batch` tokens must read: every parameter except an untied
+    embedding table; of a mixture of experts, only the experts the batch is expected to pick."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
     tied = getattr(model, "lm_head", None) is None
-    return total if tied else total - embed.numel() * embed.element_size()
+    if not tied:
+        total -= embed.numel() * embed.element_size()
+    for p in expert_params(model):
+        cfg = model.config  # type: ignore[union-attr]
+        share = expected_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) / cfg.num_experts
+        total -= int(p.numel() * p.element_size() * (1.0 - share))
+    return total
 
 
 def sync_device(device: torch.device) -> None:

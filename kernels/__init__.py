@@ -6,6 +6,8 @@
     rmsnorm            fused residual add + RMSNorm
     rotary             rotate-half RoPE from cos/sin tables
     activation         SiLU-and-mul
+    fused_moe          mixture-of-experts MLP: grouped GEMMs over the tokens of each expert
+    moe_routing        its top-k softmax and the grouping of tokens by expert (padded blocks)
 
 Import the modules themselves (`from weft.kernels.rmsnorm import rmsnorm`): this package imports
 nothing, so `import weft.kernels` works where Triton is not installed.

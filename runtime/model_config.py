@@ -32,6 +32,15 @@ class ModelConfig:
     sliding_window: int | None = None
     full_attention_layers: frozenset[int] = frozenset()
     rope_scaling: dict[str, Any] | None = None
+    # mixture of experts (Qwen3-MoE); num_experts 0: a dense model. A sparse layer's MLP is
+    # num_experts experts of moe_intermediate_size, num_experts_per_tok of them per token
+    # (their weights renormalised to sum to one with norm_topk_prob); `dense_mlp_layers` keep a
+    # dense MLP of intermediate_size (config.json's mlp_only_layers and decoder_sparse_step)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_mlp_layers: frozenset[int] = frozenset()
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -70,6 +79,7 @@ class ModelConfig:
                 sliding_window=_sliding_window(raw),
                 full_attention_layers=_full_attention_layers(raw),
                 rope_scaling=scaling,
+                **_experts(raw),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_ids(raw.get("eos_token_id")),
@@ -82,6 +92,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                f"got {self.num_experts_per_tok}"
+            )
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: full causal attention)."""
@@ -107,10 +126,29 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     # NOTE: the defaults are transformers' own: MistralConfig's sliding_window is 4096 when the
     # key is absent, and Qwen2/3 configs use their window only when use_sliding_window says so
     window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
-    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if window is None or not raw.get("use_sliding_window", not qwen):
         return None
     return int(window)
+
+
+def _experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields, as transformers' Qwen3MoeConfig reads them: a layer is
+    sparse unless listed in mlp_only_layers or off every decoder_sparse_step-th layer."""
+    # NOTE: transformers 5 saves num_experts as num_local_experts (its attribute_map)
+    experts = int(raw.get("num_experts", raw.get("num_local_experts")) or 0)
+    if experts == 0:
+        return {}
+    step = int(raw.get("decoder_sparse_step") or 1)
+    layers = int(raw["num_hidden_layers"])
+    dense = set(raw.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "dense_mlp_layers": frozenset(dense),
+    }
 
 
 def _full_attention_layers(raw: dict[str, Any]) -> frozenset[int]:

@@ -87,6 +87,38 @@ CONFIGS = {
         tie_word_embeddings=True,
         rope_theta=1000000.0,
     ),
+    # Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense (mlp_only_layers), GQA
+    "qwen3-moe-8x2-norm-dense1": dict(
+        arch="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
+    # 4 experts, top-3 weights as the softmax gives them (norm_topk_prob off), tied
+    "qwen3-moe-4x3-tied": dict(
+        arch="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
 }
 # arch -> (config class, model class)
 HF_CLASSES = {
@@ -94,6 +126,7 @@ HF_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
 }
 
 VOCAB = 160
@@ -119,6 +152,10 @@ def save_random_model(name: str, folder: Path, seed: int = 0) -> transformers.Pr
         for pname, param in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 param.add_(torch.randn_like(param) * 0.1)
+            # experts at HF's 0.02 add little to the residual, and a router at 0.02 gives
+            # near-even routing: larger, a wrong expert or weight shows in the logits
+            if ".mlp.experts." in pname or pname.endswith(".mlp.gate.weight"):
+                param.mul_(5.0)
     model.save_pretrained(folder, safe_serialization=True)
     return model
 

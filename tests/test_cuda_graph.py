@@ -84,3 +84,22 @@ def test_padded_batches_equal_eager_steps(graph_engine, eager_engine, sizes):
             assert g_lp == pytest.approx(w_lp, abs=1e-4)
     pool = graph_engine.runner.kv_pool
     assert not pool.k_buffers[0][0].any() and not pool.v_buffers[0][0].any()  # slot 0 untouched
+
+
+@cuda
+def test_moe_decode_steps_replay_graphs_and_match_hf(tmp_path):
+    """Qwen3-MoE's fused MoE kernels inside the captured decode steps (fp32: exact greedy)."""
+    from hf_models import hf_greedy, save_random_model
+
+    hf = save_random_model("qwen3-moe-8x2-norm-dense1", tmp_path)
+    engine = make_engine(
+        tmp_path, device="cuda", dtype="float32", max_total_tokens=1024, cuda_graph_max_bs=4
+    )
+    prompts = [[3, 17, 42], [5, 8, 13, 21, 34], [99]]
+    before = engine.runner.graphs.num_replays
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert engine.runner.graphs.num_replays - before >= 11
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["output_ids"] == hf_greedy(hf, prompt, 12)
+    engine.shutdown()

@@ -28,6 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from weft.grammars.vocab import TokenVocab
@@ -77,6 +79,8 @@ HF_TO_GGUF = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
 GLOBAL_HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -178,6 +182,35 @@ def tiny_qwen3(vocab_size: int) -> Qwen3ForCausalLM:
     return model
 
 
+def tiny_qwen3_moe(vocab_size: int) -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,  # what llama.cpp computes for qwen3moe
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            if ".experts." in name or name.endswith("mlp.gate.weight"):
+                p.mul_(5.0)  # decisive routing, experts that move the logits
+    return model
+
+
 def copy_tokenizer_metadata(writer: gguf.GGUFWriter, vocab_gguf: Path) -> None:
     reader = gguf.GGUFReader(vocab_gguf)
     for key, field in reader.fields.items():
@@ -188,7 +221,7 @@ def copy_tokenizer_metadata(writer: gguf.GGUFWriter, vocab_gguf: Path) -> None:
 
 def write_gguf(
     path: Path,
-    model: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM,
+    model: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM,
     qtype: Callable[[str], gguf.GGMLQuantizationType],
     *,
     arch: str = "llama",
@@ -214,22 +247,36 @@ def write_gguf(
     if vocab is not None:
         copy_tokenizer_metadata(w, vocab)
         w.add_chat_template(TEMPLATE)
+    if getattr(cfg, "num_experts", None):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    def add(gname: str, tensor: torch.Tensor) -> None:
+        arr = tensor.detach().float().numpy()
+        if qtype(gname) == Q.F64:
+            w.add_tensor(gname, arr.astype(np.float64))
+            return
+        w.add_tensor(gname, gguf.quants.quantize(arr, qtype(gname)), raw_dtype=qtype(gname))
+
     if cfg.rope_parameters.get("rope_type") == "llama3":
         factors = llama3_rope_factors(cfg.rope_parameters, 10000.0, head_dim).astype(np.float32)
         w.add_tensor("rope_freqs.weight", factors)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: llama.cpp stores two
+            layer = name.removeprefix("model.layers.").split(".")[0]
+            gate, up = tensor.chunk(2, dim=1)
+            add(f"blk.{layer}.ffn_gate_exps.weight", gate)
+            add(f"blk.{layer}.ffn_up_exps.weight", up)
+            continue
         gname = gguf_name(name)
         if arch == "llama" and gname.endswith("attn_q.weight"):
             tensor = llamacpp_permute(tensor, cfg.num_attention_heads)
         if arch == "llama" and gname.endswith("attn_k.weight"):
             tensor = llamacpp_permute(tensor, cfg.num_key_value_heads)
-        arr = tensor.detach().float().numpy()
-        if qtype(gname) == Q.F64:
-            w.add_tensor(gname, arr.astype(np.float64))
-            continue
-        w.add_tensor(gname, gguf.quants.quantize(arr, qtype(gname)), raw_dtype=qtype(gname))
+        add(gname, tensor)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -275,6 +322,7 @@ def logits(model_or_folder: torch.nn.Module | Path, ids: torch.Tensor) -> torch.
 
 
 IDS = torch.tensor([[1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]])
+SMALL_IDS = IDS % 256  # for the 256-token model
 
 
 # -- fixtures --------------------------------------------------------------------------------------
@@ -328,6 +376,32 @@ def qwen3_case(tmp_path_factory):
     vocab = fixture_path("llamacpp-vocab-tests", "ggml-vocab-gpt-2.gguf")
     write_gguf(path, model, lambda _: Q.F32, arch="qwen3", vocab=vocab, key_length=True)
     return model, path, convert_gguf(path, root / "cache", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def qwen3moe_case(tmp_path_factory):
+    """qwen3moe architecture: the router and stacked experts (down_proj as Q8_0, so an expert's
+    slice of a quantized 3-D tensor is read too); the model then holds the file's values.
+
+    NOTE: no vocabulary: building a tokenizer from one costs ~20 s on CI's machine, and the
+    other cases test that step already; the conversion's tokenizer step is skipped.
+    """
+    root = tmp_path_factory.mktemp("qwen3moe")
+    model = tiny_qwen3_moe(256)
+    path = root / "tiny-qwen3moe.gguf"
+
+    def types(gname: str) -> gguf.GGMLQuantizationType:
+        return Q.Q8_0 if gname.endswith("ffn_down_exps.weight") else Q.F32
+
+    write_gguf(path, model, types, arch="qwen3moe", key_length=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            down = layer.mlp.experts.down_proj
+            down.copy_(roundtrip(down, Q.Q8_0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_convert, "_save_tokenizer", lambda *args: None)
+        folder = convert_gguf(path, root / "cache", torch.float32)
+    return model, path, folder
 
 
 # -- the q/k permutation -----------------------------------------------------------------------
@@ -521,6 +595,44 @@ def test_qwen3_gguf_through_weft(qwen3_case):
     engine.shutdown()
 
 
+def test_qwen3moe_config_and_per_expert_weights(qwen3moe_case):
+    """The stacked GGUF experts become the per-expert tensors of published checkpoints, which
+    transformers loads back into the original model's logits."""
+    model, _, folder = qwen3moe_case
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["model_type"] == "qwen3_moe"
+    moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+    assert [config[k] for k in moe] == [4, 2, 32, True]
+    weights = hf_weights(folder)
+    state = model.state_dict()
+    for i in range(2):
+        prefix = f"model.layers.{i}.mlp"
+        assert torch.equal(weights[f"{prefix}.gate.weight"], state[f"{prefix}.gate.weight"])
+        gate_up, down = (
+            state[f"{prefix}.experts.gate_up_proj"],
+            state[f"{prefix}.experts.down_proj"],
+        )
+        for e in range(4):
+            got = [weights[f"{prefix}.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")]
+            assert torch.equal(torch.cat(got[:2]), gate_up[e]) and torch.equal(got[2], down[e])
+    assert not any(".experts.gate_up_proj" in k or "mlp.gate_proj" in k for k in weights)
+    torch.testing.assert_close(
+        logits(folder, SMALL_IDS), logits(model, SMALL_IDS), rtol=0, atol=1e-5
+    )
+
+
+def test_qwen3moe_gguf_through_weft(qwen3moe_case):
+    model, _, folder = qwen3moe_case
+    engine = make_engine(folder, dtype="float32", max_total_tokens=512)
+    prompt = SMALL_IDS[0].tolist()
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == hf_greedy(
+        model, prompt, 8
+    )
+    engine.shutdown()
+
+
 def test_qwen3_without_qk_norms_is_refused(tmp_path):
     model = tiny_llama(64, head_dim=None, scaling=None, tied=True)
     path = tmp_path / "no-norms.gguf"
@@ -664,7 +776,7 @@ def test_unsupported_architecture(tmp_path):
         convert_gguf(path, tmp_path / "cache", torch.float32)
     assert (
         str(err.value)
-        == f"unknown architecture 'gemma' in {path}: weft supports llama, qwen2, qwen3"
+        == f"unknown architecture 'gemma' in {path}: weft supports llama, qwen2, qwen3, qwen3moe"
     )
 
 

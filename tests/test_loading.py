@@ -215,3 +215,65 @@ def test_sliding_window_per_layer_from_config(tmp_path, extra, windows):
     out = engine.generate(input_ids=PROMPT * 4, sampling_params=GREEDY)
     assert len(out["output_ids"]) == 10
     engine.shutdown()
+
+
+def test_qwen3_moe_dummy_weights_from_a_hub_style_config(tmp_path):
+    """Qwen3-30B-A3B's keys, small: decoder_sparse_step 2 makes layers 1 and 3 sparse, and
+    mlp_only_layers takes layer 3 back; the experts get dummy weights like any parameter."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                **_SHAPE,
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "head_dim": 16,
+                "num_key_value_heads": 2,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 24,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 2,
+                "mlp_only_layers": [3],
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": 4,
+            }
+        )
+    )
+    engine = make_engine(tmp_path, load_format="dummy", max_total_tokens=256)
+    model = engine.runner.model
+    sparse = [hasattr(layer.mlp, "experts") for layer in model.layers]
+    assert sparse == [False, True, False, False]
+    experts = model.layers[1].mlp.experts
+    assert experts.gate_up_proj.shape == (8, 48, 32) and experts.down_proj.shape == (8, 32, 24)
+    assert model.layers[0].mlp.gate_up_proj.weight.shape == (128, 32)
+    assert [layer.self_attn.options.sliding_window for layer in model.layers] == [None] * 4
+    assert float(experts.down_proj.float().std()) > 0.01  # drawn, not left empty
+    out = engine.generate(input_ids=PROMPT * 4, sampling_params=GREEDY)
+    assert len(out["output_ids"]) == 10
+    engine.shutdown()
+
+
+def test_qwen3_moe_stacked_expert_tensors_load_like_per_expert_ones(tmp_path):
+    """A checkpoint with transformers 5's stacked `mlp.experts.gate_up_proj` / `down_proj`
+    gives the outputs of the per-expert checkpoint that save_pretrained writes."""
+    from safetensors.torch import load_file, save_file
+
+    hf = save_random_model("qwen3-moe-4x3-tied", tmp_path)
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        if (tmp_path / name).is_file():
+            (stacked / name).write_text((tmp_path / name).read_text())
+    tensors = {
+        k: v for k, v in load_file(tmp_path / "model.safetensors").items() if ".experts." not in k
+    }
+    for name, param in hf.state_dict().items():
+        if ".mlp.experts." in name:
+            tensors[name] = param.contiguous()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
+    save_file(tensors, stacked / "model.safetensors")
+    want = hf_greedy(hf, PROMPT, 10)
+    for folder in (tmp_path, stacked):
+        engine = make_engine(folder, dtype="float32", max_total_tokens=512)
+        assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == want
+        engine.shutdown()

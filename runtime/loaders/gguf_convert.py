@@ -1,4 +1,5 @@
-"""Convert a GGUF file (llama, qwen2, qwen3) into a Hugging Face-style model folder, cached on disk.
+"""Convert a GGUF file (llama, qwen2, qwen3, qwen3moe) into a Hugging Face-style model folder,
+cached on disk.
 
 The engine's HF loader then reads the folder like any checkpoint. Layout of the output:
 
@@ -39,7 +40,11 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# config.json's model_type where transformers spells it differently from llama.cpp
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+_MOE_ARCHS = ("qwen3moe",)
 MARKER = "weft-converted.json"
 SHARD_BYTES = 2 * 1024**3
 # Bump when the output layout changes, so older cache folders are rebuilt.
@@ -69,7 +74,15 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")  # qwen3 only: [head_dim] each
+_QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")  # qwen3(moe) only: [head_dim] each
+_DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+# qwen3moe: the router, and each expert's weights stacked [E, out, in] (HF order) in one tensor
+_ROUTER = "ffn_gate_inp.weight"
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -85,6 +98,7 @@ class _Entry:
     shape: tuple[int, ...]  # HF (PyTorch) order: [out, in]
     source: Any  # gguf ReaderTensor, or None for an all-zero tensor
     unpermute_heads: int = 0  # >0: undo llama.cpp's q/k row permutation over this many heads
+    expert: int | None = None  # the source stacks experts [E, out, in]: this one's [out, in]
 
 
 def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) -> Path:
@@ -259,13 +273,16 @@ def _hf_config(
             f"{src}: partial rotary embeddings ({rope_dims} of {head_dim}) unsupported"
         )
     bos = _meta(reader, "tokenizer.ggml.bos_token_id", src, None)
+    moe = _moe_config(reader, src, arch)
+    # NOTE: a qwen3moe file's layers are all sparse: its dense size, when absent, is unread
+    ffn_default = moe["moe_intermediate_size"] if moe else ...
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         # GGUF shapes are reversed: token_embd is [hidden, vocab] in the file.
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
-        "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length", src)),
+        "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length", src, ffn_default)),
         "num_hidden_layers": int(_meta(reader, f"{arch}.block_count", src)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_meta(reader, f"{arch}.attention.head_count_kv", src, heads)),
@@ -285,7 +302,22 @@ def _hf_config(
     pad = _meta(reader, "tokenizer.ggml.padding_token_id", src, None)
     if pad is not None:
         config["pad_token_id"] = pad
-    return config
+    return config | moe
+
+
+def _moe_config(reader: gguf.GGUFReader, src: Path, arch: str) -> dict[str, Any]:
+    """config.json's expert fields of a qwen3moe file (empty for a dense architecture)."""
+    if arch not in _MOE_ARCHS:
+        return {}
+    return {
+        "num_experts": int(_meta(reader, f"{arch}.expert_count", src)),
+        "num_experts_per_tok": int(_meta(reader, f"{arch}.expert_used_count", src)),
+        "moe_intermediate_size": int(_meta(reader, f"{arch}.expert_feed_forward_length", src)),
+        # NOTE: llama.cpp renormalises qwen3moe's top-k weights unless the file says otherwise
+        "norm_topk_prob": bool(_meta(reader, f"{arch}.expert_weights_norm", src, True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 def _end_token_ids(reader: gguf.GGUFReader, src: Path) -> list[int]:
@@ -437,8 +469,10 @@ def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Pa
     }
     # llama.cpp permutes q/k rows for `llama` only; which heads count differs for q and k.
     permuted = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
-    wanted = [g for g in _LAYER_NAMES if g.endswith(".weight") and g not in _QK_NORMS]
-    wanted += list(_QK_NORMS) if arch == "qwen3" else []
+    moe = arch in _MOE_ARCHS
+    skip = _QK_NORMS + (_DENSE_FFN if moe else ())
+    wanted = [g for g in _LAYER_NAMES if g.endswith(".weight") and g not in skip]
+    wanted += list(_QK_NORMS) if arch in ("qwen3", "qwen3moe") else []
     if config["attention_bias"]:
         # HF Qwen2 has q/k/v biases; HF Llama's attention_bias also puts one on o_proj.
         wanted += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
@@ -466,16 +500,46 @@ def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Pa
                 _Entry(f"model.layers.{i}.{hsuffix}", shapes[hsuffix], source, heads_here)
             )
             used.add(gname)
+        if moe:
+            entries += _expert_entries(tensors, config, i, src)
+            used.update(f"blk.{i}.{g}" for g in (_ROUTER, *_EXPERT_NAMES))
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"{src} has tensors weft does not know for {arch}: {extra[:5]}")
     for e in entries:
-        if e.source is not None and tuple(reversed(e.source.shape.tolist())) != e.shape:
-            file_shape = tuple(reversed(e.source.shape.tolist()))
+        file_shape = () if e.source is None else tuple(reversed(e.source.shape.tolist()))
+        if e.expert is not None and file_shape[1:] == e.shape and e.expert < file_shape[0]:
+            continue  # one expert's slice of a stacked tensor
+        if e.source is not None and file_shape != e.shape:
             raise ValueError(
                 f"{src}: tensor {e.source.name!r} has shape {file_shape}, "
                 f"the metadata implies {e.shape}"
             )
+    return entries
+
+
+def _expert_entries(
+    tensors: dict[str, Any], config: dict[str, Any], layer: int, src: Path
+) -> list[_Entry]:
+    """Layer `layer`'s router and per-expert HF tensors (the layout of published checkpoints),
+    each expert a slice of the file's stacked tensor."""
+    hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+    shapes = {
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+    prefix = f"model.layers.{layer}.mlp"
+    for gsuffix in (_ROUTER, *_EXPERT_NAMES):
+        if f"blk.{layer}.{gsuffix}" not in tensors:
+            raise ValueError(f"{src} lacks the tensor 'blk.{layer}.{gsuffix}'")
+    router = tensors[f"blk.{layer}.{_ROUTER}"]
+    entries = [_Entry(f"{prefix}.gate.weight", (config["num_experts"], hidden), router)]
+    for e in range(config["num_experts"]):
+        for gsuffix, proj in _EXPERT_NAMES.items():
+            source = tensors[f"blk.{layer}.{gsuffix}"]
+            name = f"{prefix}.experts.{e}.{proj}.weight"
+            entries.append(_Entry(name, shapes[proj], source, expert=e))
     return entries
 
 
@@ -503,7 +567,7 @@ def dequantize_tensor(tensor: Any, dtype: torch.dtype, unpermute_heads: int = 0)
 def _row_chunks(entry: _Entry) -> Iterator[np.ndarray]:
     """Dequantized float32 rows of `entry`, a chunk at a time, as a flat sequence of arrays."""
     t = entry.source
-    data = t.data
+    data = t.data if entry.expert is None else t.data[entry.expert]
     if data.ndim < 2 or entry.unpermute_heads:
         yield gguf.quants.dequantize(data, t.tensor_type).reshape(entry.shape)
         return

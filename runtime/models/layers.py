@@ -180,5 +180,6 @@ def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None
     target.copy_(tensor)
 
 
-def load_plain(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+def load_plain(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """Copy `tensor` into a parameter (or a view of one, such as an expert's rows)."""
     _copy_checked(param.data, tensor, name)

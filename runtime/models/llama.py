@@ -1,5 +1,5 @@
-"""Llama (2, 3, 3.1) decoder; Qwen2 (qkv bias), Qwen3 (q/k norm) and Mistral (sliding window)
-are short subclasses."""
+"""Llama (2, 3, 3.1) decoder; Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (sliding window) and
+Qwen3-MoE (experts in place of the MLP: `make_mlp`) are short subclasses."""
 
 from __future__ import annotations
 
@@ -80,10 +80,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = mlp  # forward(x, fused) -> x's shape
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -109,12 +109,18 @@ class LlamaForCausalLM(nn.Module):
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, self.make_mlp(cfg, i, dtype)) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, dtype)
         )
         self.rotary = rotary
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> nn.Module:
+        """Layer `layer`'s MLP (a mixture-of-experts model overrides it)."""
+        return MLP(cfg, dtype)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states [K, hidden] of the tokens in `batch.logits_indices`."""

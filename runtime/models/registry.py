@@ -8,12 +8,14 @@ from weft.runtime.models.llama import LlamaForCausalLM
 from weft.runtime.models.mistral import MistralForCausalLM
 from weft.runtime.models.qwen2 import Qwen2ForCausalLM
 from weft.runtime.models.qwen3 import Qwen3ForCausalLM
+from weft.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,0 +1,74 @@
+"""The sparse mixture-of-experts MLP: a router (`gate`) and the experts' weights stacked [E, ...].
+
+Expert weights load from either checkpoint layout:
+
+    per expert (published checkpoints, what transformers 5 saves):
+        mlp.experts.{e}.gate_proj.weight [I, H]   -> gate_up_proj[e, :I]
+        mlp.experts.{e}.up_proj.weight   [I, H]   -> gate_up_proj[e, I:]
+        mlp.experts.{e}.down_proj.weight [H, I]   -> down_proj[e]
+    stacked (transformers 5's in-memory layout, which weft keeps):
+        mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from weft.kernels.fused_moe_ref import fused_moe_ref
+from weft.runtime.model_config import ModelConfig
+from weft.runtime.models.layers import RowLinear, load_plain
+
+_ROWS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False
+        )
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> str:
+        """One expert's gate_proj, up_proj or down_proj weight; returns the parameter's name."""
+        name, half = _ROWS[proj]
+        param: torch.Tensor = getattr(self, name)
+        if not 0 <= expert < param.shape[0]:
+            raise ValueError(f"expert {expert} out of range: the model has {param.shape[0]}")
+        target = param[expert]
+        if name == "gate_up_proj":
+            target = target[half * self.inter : (half + 1) * self.inter]
+        load_plain(target, tensor, f"experts.{expert}.{proj}")
+        return name
+
+    def expected_shards(self, name: str) -> int:
+        """How many per-expert tensors fill parameter `name`."""
+        return self.gate_up_proj.shape[0] * (2 if name == "gate_up_proj" else 1)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = RowLinear(cfg.hidden_size, cfg.num_experts, dtype)  # the router, no bias
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """x [T, H] -> [T, H]. fused: the Triton kernels (CUDA; no host sync, so CUDA graphs
+        capture it), else the torch twin (reads the routing on the host)."""
+        logits = self.gate(x)  # [T, E] in x's dtype, as transformers' router computes them
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        if fused:
+            from weft.kernels.fused_moe import fused_moe  # NOTE: here: Triton may be missing
+
+            return fused_moe(x, logits, w13, w2, top_k=self.top_k, renormalize=self.renormalize)
+        return fused_moe_ref(x, logits, w13, w2, top_k=self.top_k, renormalize=self.renormalize)
