@@ -147,7 +147,7 @@ def test_fused_experts_checks():
     with pytest.raises(ValueError, match="w2: expected shape"):
         fused_experts(x, w13, torch.ones((4, 16, 32), device=SMALL_DEVICE), weights, ids)
     with pytest.raises(ValueError, match="weights: dtype"):
-        fused_experts(x, w13, torch.ones((4, 32, 16)), weights.double(), ids)
+        fused_experts(x, w13, torch.ones((4, 32, 16), device=SMALL_DEVICE), weights.double(), ids)
 
 
 @pytest.mark.cuda
