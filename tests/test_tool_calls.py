@@ -1152,3 +1152,19 @@ def test_a_request_template_needs_the_servers_trust(qwen_tokenizer, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(GEMMA3)
     assert chat.for_request(str(path), trusted=True).template_text == str(path)
+
+
+@pytest.mark.parametrize(
+    "fmt", [QWEN25, MISTRAL, MISTRAL_ARGS, LLAMA3_JSON, GEMMA], ids=lambda f: f.name
+)
+def test_every_format_gives_a_valid_tag_for_every_choice(fmt):
+    tools = check_tools(TOOLS)
+    for choice in (ToolChoice("auto"), ToolChoice("required"), ToolChoice("function", "add")):
+        for parallel in (True, False):
+            tag = structural_tag(fmt, tools, choice, parallel)
+            assert json.loads(parse_spec("structural_tag", json.dumps(tag)).text) == tag
+            # what the constraint lets the model write, the parser reads back as the call
+            call = tag["structures"][0]
+            text = call["begin"] + '{"city": "Oslo"}' + call["end"]
+            name = "add" if choice.mode == "function" else "get_weather"
+            assert calls_of(text, fmt) == (None, [(name, '{"city": "Oslo"}')])
