@@ -6,7 +6,19 @@ import json
 from typing import Any
 
 from weft.frontend.choices import ChoicesSamplingMethod, choices_method_named
-from weft.frontend.ir import DType, Gen, ModelType, Node, RoleBegin, RoleEnd, Select, Seq, flatten
+from weft.frontend.ir import (
+    DType,
+    Gen,
+    ModelType,
+    Node,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SeparateReasoning,
+    Seq,
+    flatten,
+)
+from weft.runtime.server.reasoning import reasoning_format
 
 # gen() keyword -> SGLang sampling parameter
 SAMPLING_NAMES = {
@@ -146,6 +158,41 @@ def select(
         raise ValueError(f"select({name!r}): temperature must be 0 (a select is an argmax)")
     method = choices_method_named(f"select({name!r})", choices_method)
     return Select(name, list(choices), method)
+
+
+REASONING_SUFFIX = "_reasoning_content"  # s[name + REASONING_SUFFIX]: a gen's thinking
+
+
+def separate_reasoning(
+    expr: object = None,
+    model_type: str | None = None,
+    *,
+    reasoning_start: str | None = None,
+    reasoning_end: str | None = None,
+) -> Node:
+    """`expr`, then each of its named gens (and selects) split into the thinking and the
+    answer: `s[name]` holds the answer, `s[name + "_reasoning_content"]` the thinking, and the
+    program's text keeps only the answer where the gen wrote both (SGLang's API and effect:
+    the next request does not see the thinking, as reasoning models' templates drop it from
+    earlier turns).
+
+    `model_type`: "qwen3" or "deepseek-r1" (`<think>` ... `</think>`), or "generic" with
+    `reasoning_end` (and `reasoning_start`, else an output begins in the thinking): the
+    server's --reasoning-parser names and split (weft.runtime.server.reasoning), so every
+    backend splits the same way. Where the backend split the output itself (an OpenAI
+    endpoint's `reasoning_content`), its split is kept.
+    """
+    if model_type is None:
+        raise ValueError("separate_reasoning: model_type is required (qwen3, deepseek-r1, ...)")
+    fmt = reasoning_format(model_type, reasoning_start, reasoning_end)
+    nodes = flatten(expr) if expr is not None else []
+    names = []
+    for node in nodes:
+        if isinstance(node, Gen | Select):
+            if node.name is None:
+                raise ValueError(f"separate_reasoning: {node!r} needs a name to store its parts")
+            names.append(node.name)
+    return Seq([*nodes, SeparateReasoning(names, fmt)])
 
 
 def _role(role: str, content: object) -> Node:

@@ -19,8 +19,9 @@ from typing_extensions import assert_never
 
 from weft.frontend.backend import Backend, ChatRenderer, GenResult, Message, TokenLogprobs
 from weft.frontend.choices import ChoicesDecision, UncondEntries
-from weft.frontend.ir import Gen, Leaf, RoleBegin, RoleEnd, Select, Text
+from weft.frontend.ir import Gen, Leaf, RoleBegin, RoleEnd, Select, SeparateReasoning, Text
 from weft.frontend.scoring import Tail, mean
+from weft.runtime.server.reasoning import split_reasoning
 
 if TYPE_CHECKING:
     from weft.frontend.state import ProgramState
@@ -29,6 +30,7 @@ T = TypeVar("T")
 _SENTINEL = "\x00weft-role-content\x00"
 # how many prefix tokens a choice request re-reads to find where the choice's tokens begin
 _BOUNDARY_WINDOW = 8
+REASONING_SUFFIX = "_reasoning_content"  # separate_reasoning: the thinking's variable
 Prompt = str | list[Message]  # a text prompt, or a conversation for a chat endpoint
 
 
@@ -151,11 +153,22 @@ class SetVar:
 Step = Leaf | ForkPoint | JoinPoint | SetVar  # the IR's nodes, and steps only a state queues
 
 
-@dataclass
+@dataclass(eq=False)
 class _OpenRole:
     role: str
     content: str
     suffix: str
+    message: Message | None = None  # the message it became when it ended
+
+
+@dataclass
+class _Output:
+    """Where a gen's (select's) output sits, so that separate_reasoning can rewrite it."""
+
+    start: int  # in the state's text
+    text: str  # as written there
+    role: _OpenRole | None  # the role it was written in, and where in its content
+    role_start: int = 0
 
 
 class Interpreter:
@@ -177,6 +190,7 @@ class Interpreter:
         self.ready: asyncio.Future[None] | None = None  # a fork's: set at its fork point
         self.error: BaseException | None = None
         self.events: list[tuple[str | None, str]] = []  # (variable, piece of text) as emitted
+        self.outputs: dict[str, _Output] = {}  # each named gen's (select's) latest output
         self.wake = asyncio.Event()
 
     @property
@@ -263,6 +277,8 @@ class Interpreter:
                 await self._fork_point(step)
             case JoinPoint():
                 await self._join_point(step)
+            case SeparateReasoning():
+                self._separate_reasoning(step)
             case SetVar():
                 self.vars[step.name] = step.value
                 self.meta.pop(step.name, None)  # a gen's meta info no longer describes the value
@@ -303,7 +319,8 @@ class Interpreter:
         if role is None or role.role != node.role:
             raise ProgramError(f"{node.role}() ends, but the open role is {role and role.role}")
         self.role = None
-        self.messages.append({"role": role.role, "content": role.content})
+        role.message = {"role": role.role, "content": role.content}
+        self.messages.append(role.message)
         self._emit(role.suffix, content=False)
 
     def _chat_mode(self) -> bool:
@@ -336,10 +353,64 @@ class Interpreter:
                     aw = ctx.backend.chat(chat, params)
                     result = await ctx.request("chat", label, prompt, params, aw)
                 self._emit(result.text, node.name)
+        self._record_output(node.name, result.text)
         if node.name is not None:
             # a trace's placeholder reply reads as no value
             self.vars[node.name] = result.text if ctx.tracing else _value(label, node, result)
             self.meta[node.name] = result.meta
+
+    def _record_output(self, name: str | None, text: str) -> None:
+        """Just after `text`, a named output, was emitted."""
+        if name is None:
+            return
+        role, start = self.role, len(self.text) - len(text)
+        self.outputs[name] = _Output(
+            start, text, role, len(role.content) - len(text) if role else 0
+        )
+
+    def _separate_reasoning(self, node: SeparateReasoning) -> None:
+        """Each named output -> its answer (the variable, and in the text) and its thinking
+        (the `_reasoning_content` variable); see api.separate_reasoning."""
+        for name in node.names:
+            label = f"separate_reasoning({name!r})"
+            out = self.outputs.get(name)
+            answer = self.vars.get(name)
+            if out is None or not isinstance(answer, str):
+                what = "no output" if out is None else f"{type(answer).__name__}, not text"
+                raise ProgramError(f"{label}: the gen of that name left {what} to split")
+            split_by_backend = (self.meta.get(name) or {}).get("reasoning_content")
+            if split_by_backend is not None:  # the endpoint's parser split it already
+                thinking = split_by_backend
+            else:
+                begins = node.format.starts_in_reasoning(self.text[: out.start])
+                thinking, answer = split_reasoning(node.format, out.text, begins)
+                self._rewrite(out, answer)
+            self.vars[name] = answer
+            self.vars[name + REASONING_SUFFIX] = thinking
+
+    def _rewrite(self, out: _Output, answer: str) -> None:
+        """The output's text, where it was written (the state's text, its role's content or
+        message), becomes `answer`.
+        NOTE: later outputs move with it; the stream's events keep what was sent."""
+        end = out.start + len(out.text)
+        if self.text[out.start : end] != out.text:
+            raise ProgramError("separate_reasoning: the output is no longer where it was written")
+        self.text = self.text[: out.start] + answer + self.text[end:]
+        shift = len(answer) - len(out.text)
+        for other in self.outputs.values():
+            if other.start > out.start:
+                other.start += shift
+            if other.role is out.role and other.role_start > out.role_start:
+                other.role_start += shift
+        if out.role is not None:
+            role, at = out.role, out.role_start
+            content = role.content if role.message is None else role.message["content"]
+            content = content[:at] + answer + content[at + len(out.text) :]
+            if role.message is None:
+                role.content = content
+            else:
+                role.message["content"] = content
+        out.text = answer
 
     def _chat_messages(self, label: str) -> list[Message]:
         """The conversation a chat-endpoint gen continues; ProgramError where the gen does not
@@ -365,6 +436,7 @@ class Interpreter:
         with _failing(label):
             choice, meta = await self._score(label, node)
         self._emit(choice, node.name)
+        self._record_output(node.name, choice)
         if node.name is not None:
             self.vars[node.name] = choice
             self.meta[node.name] = meta
@@ -459,9 +531,22 @@ class Interpreter:
             c.vars, c.meta = dict(self.vars), dict(self.meta)
             c.messages = [dict(m) for m in self.messages]
             c.role = None if self.role is None else replace(self.role)
+            c.outputs = {n: self._output_for(c, o) for n, o in self.outputs.items()}
             c.outside_roles = self.outside_roles
             assert c.ready is not None
             c.ready.set_result(None)
+
+    def _output_for(self, child: Interpreter, out: _Output) -> _Output:
+        """A fork's copy of an output: its role is the child's copy of the open role, or of
+        the message that role became."""
+        role = out.role
+        if role is None:
+            return replace(out)
+        if role is self.role:
+            return replace(out, role=child.role)
+        at = next((i for i, m in enumerate(self.messages) if m is role.message), None)
+        message = None if at is None else child.messages[at]
+        return replace(out, role=replace(role, message=message))
 
 
 @contextmanager

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weft.frontend.choices import ChoicesSamplingMethod, token_length_normalized
+from weft.runtime.server.reasoning import ReasoningFormat
 
 
 class Node:
@@ -108,8 +109,20 @@ class RoleEnd(Node):
     role: str
 
 
+@dataclass(repr=False)
+class SeparateReasoning(Node):
+    """separate_reasoning(...): the named gens' (selects') outputs split into the thinking and
+    the answer, after they ran."""
+
+    names: list[str]
+    format: ReasoningFormat  # the markers (runtime/server/reasoning.py, as the server's)
+
+    def __repr__(self) -> str:
+        return f"SeparateReasoning({self.names!r}, model_type={self.format.name!r})"
+
+
 # the nodes a state queues: every node but Seq, which `s += ...` flattens
-Leaf = Text | Gen | Select | RoleBegin | RoleEnd
+Leaf = Text | Gen | Select | RoleBegin | RoleEnd | SeparateReasoning
 
 
 @dataclass(repr=False)

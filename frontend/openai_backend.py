@@ -28,19 +28,30 @@ async def chat_stream(
     url: str, body: dict[str, Any], api_key: str | None
 ) -> AsyncIterator[GenResult]:
     """Cumulative results of a streamed chat completion (POST `url`, stream=True)."""
-    text = ""
+    text, thinking = "", None
     async for event in post_sse(url, {**body, "stream": True}, api_key):
         if not event.get("choices"):
             continue
         choice = event["choices"][0]
-        text += (choice.get("delta") or {}).get("content") or ""
-        yield GenResult(text, {"finish_reason": choice.get("finish_reason")})
+        delta = choice.get("delta") or {}
+        text += delta.get("content") or ""
+        if delta.get("reasoning_content") is not None:
+            thinking = (thinking or "") + delta["reasoning_content"]
+        meta = {"finish_reason": choice.get("finish_reason")}
+        if thinking is not None:
+            meta["reasoning_content"] = thinking
+        yield GenResult(text, meta)
 
 
 def chat_result(out: dict[str, Any]) -> GenResult:
+    """The reply's content; the endpoint's `reasoning_content` (its reasoning parser split the
+    thinking off) goes into meta, where separate_reasoning reads it."""
     choice = out["choices"][0]
     meta = {"finish_reason": choice.get("finish_reason"), "usage": out.get("usage")}
-    return GenResult(choice["message"].get("content") or "", meta)
+    message = choice["message"]
+    if message.get("reasoning_content") is not None:
+        meta["reasoning_content"] = message["reasoning_content"]
+    return GenResult(message.get("content") or "", meta)
 
 
 def _no_options(options: dict[str, Any] | None) -> None:

@@ -48,6 +48,11 @@ class ServerConfig(EngineConfig):
     chat_template: str | None = option(
         None, "chat template file or Jinja string (default: the tokenizer's own)"
     )
+    trust_request_chat_template: bool = option(
+        False,
+        "accept a chat request's own chat_template (vLLM's field; its Jinja runs in "
+        "transformers' sandbox; off: such a request is a 400)",
+    )
     reasoning_parser: str | None = option(
         None,
         "split the thinking from the answer: qwen3 and deepseek-r1 (<think>...</think>), or "

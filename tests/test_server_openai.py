@@ -8,6 +8,8 @@ import json
 import openai
 import pytest
 
+from chat_templates import GEMMA3, MISTRAL_V11, QWEN3
+from conftest import fixture_path
 from server_utils import ServerProcess, schedule_args, stories_args
 
 PROMPT = "Once upon a time"
@@ -28,6 +30,7 @@ def stories(stories_dir, schedule):
         "stories",
         "--chat-template",
         TEMPLATE,
+        "--trust-request-chat-template",
     )
     yield srv
     srv.assert_kv_intact()
@@ -365,3 +368,76 @@ def test_cache_salt_in_the_openai_api(client):
     assert cached("x") == 0
     assert cached("y") == 0  # "x"'s KV is not shared with "y"
     assert cached("x") > 0
+
+
+# ---- each tool-call format, through a request's own chat template ---------------------------
+
+# short: a tool-laden prompt must leave room in stories260K's 512-token context
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "strict": True,  # closed: this model would add properties up to max_tokens
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}}},
+    },
+}
+PING = {"type": "function", "function": {"name": "ping"}}
+
+
+def _nemo_template() -> str:
+    return fixture_path(
+        "tokenizers", "chat-templates", "mistralai-Mistral-Nemo-Instruct-2407.jinja"
+    )
+
+
+@pytest.mark.parametrize(
+    "template",
+    [QWEN3, None, MISTRAL_V11, GEMMA3],  # None: Mistral v3 (Nemo's), from the fixtures
+    ids=["qwen3", "mistral", "mistral_v11", "gemma3"],
+)
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_tool_call_formats_stream_the_calls_they_return(client, template, tool_choice):
+    # the grammar makes this tiny model's calls well-formed in each format
+    template = template or _nemo_template().read_text()
+    named = {"type": "function", "function": {"name": "weather"}}
+    kwargs = {
+        "model": "stories",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [CITY] if tool_choice == "required" else [CITY, PING],
+        "tool_choice": named if tool_choice == "named" else "required",
+        "parallel_tool_calls": False,  # (no max_tokens: what the 512-token context leaves)
+        "temperature": 0,
+        # NOTE: xgrammar holds no structural tag's JSON to JSON_WHITESPACE_MAX: unpenalized,
+        # this model writes newlines inside the arguments up to the context's end
+        "frequency_penalty": 2.0,
+        "extra_body": {"chat_template": template},
+    }
+    out = client.chat.completions.create(**kwargs)
+    whole = out.choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    [(name, args)] = calls
+    assert name == "weather" and set(json.loads(args)) <= {"city"}
+    streamed: dict[int, list[str]] = {}
+    finish = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        finish.append(chunk.choices[0].finish_reason)
+        for part in delta.tool_calls or []:
+            call = streamed.setdefault(part.index, ["", ""])
+            call[0] += part.function.name or ""
+            call[1] += part.function.arguments or ""
+    assert [tuple(c) for c in streamed.values()] == calls
+    assert finish[-1] == "tool_calls"
+    # every template shows the model the tools (Gemma's through weft's prompt)
+    plain = client.chat.completions.create(**{**kwargs, "tool_choice": "none", "max_tokens": 1})
+    assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 40
+
+
+def test_a_request_template_must_not_be_empty(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="stories", messages=HI, max_tokens=1, extra_body={"chat_template": "  "}
+        )
+    assert err.value.body["param"] == "chat_template"

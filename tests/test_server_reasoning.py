@@ -229,3 +229,52 @@ def test_tool_calls_come_from_the_answer_only():
     assert "".join(d.get("content") or "" for d in deltas) == "Sure."
     calls = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
     assert calls == [{"name": "f", "arguments": ""}, {"arguments": json.dumps({"x": 1})}]
+
+
+# ---- the DSL's separate_reasoning on this server ------------------------------------------
+
+
+def _thinking_program(role: bool):
+    import weft
+
+    split = weft.separate_reasoning(
+        weft.gen("answer", max_tokens=48), model_type="generic", reasoning_end="."
+    )
+
+    @weft.function
+    def program(s):
+        if role:
+            s += weft.user("Once upon a time")
+            s += weft.assistant(split)
+        else:
+            s += "Once upon a time" + split
+
+    return program
+
+
+def test_dsl_split_is_the_servers(stories):
+    # the frontend splits /generate's text with the server's parser code: the same parts as
+    # the server's own separate_reasoning
+    import weft
+
+    s = _thinking_program(role=False).run(backend=weft.RuntimeEndpoint(stories.url), temperature=0)
+    body = {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 48}}
+    native = stories.generate({**body, "separate_reasoning": True})
+    assert (s["answer_reasoning_content"], s["answer"]) == (
+        native["reasoning_text"],
+        native["text"],
+    )
+    assert s.text() == "Once upon a time" + native["text"]
+
+
+def test_dsl_reads_an_openai_endpoints_reasoning_content(stories, client):
+    import weft
+
+    backend = weft.OpenAIBackend(stories.url + "/v1", "stories")
+    s = _thinking_program(role=True).run(backend=backend, temperature=0)
+    reply = client.chat.completions.create(**GREEDY).choices[0].message
+    assert reply.reasoning_content and reply.content
+    assert (s["answer_reasoning_content"], s["answer"]) == (reply.reasoning_content, reply.content)
+    assert s.messages()[-1] == {"role": "assistant", "content": reply.content}
+    streamed = _thinking_program(role=True).run(backend=backend, temperature=0, stream=True)
+    assert streamed.variables == s.variables

@@ -30,16 +30,18 @@ from weft.runtime.server.tool_calls import (
     strict_schema,
     structural_tag,
 )
-from weft.runtime.server.tool_parser import (
+from weft.runtime.server.tool_formats import (
+    GEMMA,
     LLAMA3_JSON,
+    MISTRAL,
+    MISTRAL_ARGS,
     QWEN25,
-    ToolCall,
-    ToolCallParser,
     detect_format,
-    parse_tool_calls,
 )
+from weft.runtime.server.tool_parser import ToolCall, ToolCallParser, parse_tool_calls
 from weft.runtime.server_config import ServerConfig
 
+from chat_templates import GEMMA3, MISTRAL_V11, QWEN3
 from conftest import fixture_path
 
 WEATHER = {
@@ -80,7 +82,7 @@ def api_error(call: Any, *args: Any, **kwargs: Any) -> ApiError:
         ("Qwen-Qwen2.5-7B-Instruct.jinja", QWEN25),
         ("meta-llama-Llama-3.1-8B-Instruct.jinja", LLAMA3_JSON),
         ("meta-llama-Llama-3.2-3B-Instruct.jinja", LLAMA3_JSON),
-        ("mistralai-Mistral-Nemo-Instruct-2407.jinja", None),
+        ("mistralai-Mistral-Nemo-Instruct-2407.jinja", MISTRAL),
         ("microsoft-Phi-3.5-mini-instruct.jinja", None),
     ],
 )
@@ -88,12 +90,30 @@ def test_format_detection_on_real_templates(name, expected):
     assert detect_format(template(name)) is expected
 
 
+@pytest.mark.parametrize(
+    "text,expected",
+    [(QWEN3, QWEN25), (MISTRAL_V11, MISTRAL_ARGS), (GEMMA3, GEMMA)],
+    ids=["qwen3", "mistral v11", "gemma3"],
+)
+def test_format_detection_on_other_families(text, expected):
+    assert detect_format(text) is expected
+
+
 def test_format_strings():
     assert QWEN25.begin("get_weather") == '<tool_call>\n{"name": "get_weather", "arguments": '
     assert QWEN25.end == "}\n</tool_call>"
     assert LLAMA3_JSON.begin("add") == '{"name": "add", "parameters": '
     assert LLAMA3_JSON.end == "}"
+    assert MISTRAL.begin("add") == '[TOOL_CALLS][{"name": "add", "arguments": '
+    assert MISTRAL.end == "}]"
+    assert MISTRAL_ARGS.begin("add") == "[TOOL_CALLS]add[ARGS]"
+    assert MISTRAL_ARGS.end == ""
+    assert GEMMA.begin("add") == '{"name": "add", "parameters": '
+    assert GEMMA.end == "}"
     assert detect_format(None) is None and detect_format("{{ messages }}") is None
+    for fmt in (MISTRAL, MISTRAL_ARGS):  # what Mistral's templates take back in a history
+        call_id = fmt.call_id()
+        assert len(call_id) == 9 and call_id.isalnum()
 
 
 # ---- tools and tool_choice -----------------------------------------------------------------
@@ -246,9 +266,9 @@ def test_plan_tools():
     assert plan_tools(TOOLS, "none", None, qwen) is None
     assert plan_tools(None, None, None, qwen) is None
     assert plan_tools([], None, None, qwen) is None
-    mistral = template("mistralai-Mistral-Nemo-Instruct-2407.jinja")
-    assert plan_tools(TOOLS, "none", None, mistral) is None  # no call format needed
-    error = api_error(plan_tools, TOOLS, None, None, mistral)
+    phi = template("microsoft-Phi-3.5-mini-instruct.jinja")
+    assert plan_tools(TOOLS, "none", None, phi) is None  # no call format needed
+    error = api_error(plan_tools, TOOLS, None, None, phi)
     assert error.param == "tools" and "no tool-call format" in error.message
     assert api_error(plan_tools, [{"type": "x"}], "none", None, qwen).param == "tools[0].type"
 
@@ -263,8 +283,11 @@ def q(name: str, args: str) -> str:
 def calls_of(text: str, fmt=QWEN25) -> tuple[str | None, list[tuple[str, str]]]:
     content, calls = parse_tool_calls(text, fmt, NAMES)
     for call in calls:
-        assert call.id.startswith("call_") and len(call.id) == 5 + 24
-        int(call.id[5:], 16)
+        if fmt in (MISTRAL, MISTRAL_ARGS):
+            assert len(call.id) == 9 and call.id.isalnum()
+        else:
+            assert call.id.startswith("call_") and len(call.id) == 5 + 24
+            int(call.id[5:], 16)
     return content, [(c.name, c.arguments) for c in calls]
 
 
@@ -371,6 +394,98 @@ PARSE_CASES = [
 ]
 
 
+def m(*calls: tuple[str, str]) -> str:
+    """A Mistral v3 call block holding `calls`."""
+    body = ", ".join(f'{{"name": "{name}", "arguments": {args}}}' for name, args in calls)
+    return f"[TOOL_CALLS][{body}]"
+
+
+PARSE_CASES += [
+    (
+        "mistral: one call",
+        m(("get_weather", '{"city": "Paris"}')),
+        MISTRAL,
+        (None, [("get_weather", '{"city": "Paris"}')]),
+    ),
+    (
+        "mistral: one array, two calls (as the template writes them)",
+        m(("add", '{"a": "]["}'), ("get_weather", "{}")),
+        MISTRAL,
+        (None, [("add", '{"a": "]["}'), ("get_weather", "{}")]),
+    ),
+    (
+        "mistral: a block per call (as the constraint writes them), content before",
+        "Checking. " + m(("add", '{"a": 1}')) + m(("add", '{"a": 2}')),
+        MISTRAL,
+        ("Checking.", [("add", '{"a": 1}'), ("add", '{"a": 2}')]),
+    ),
+    (
+        "mistral: a space after the marker",
+        '[TOOL_CALLS] [{"name": "add", "arguments": {}}]',
+        MISTRAL,
+        (None, [("add", "{}")]),
+    ),
+    (
+        "mistral: an unknown tool in the array keeps it all content",
+        m(("add", "{}"), ("launch", "{}")),
+        MISTRAL,
+        (m(("add", "{}"), ("launch", "{}")), []),
+    ),
+    (
+        "mistral: the marker without an array is content",
+        "Use [TOOL_CALLS] wisely",
+        MISTRAL,
+        ("Use [TOOL_CALLS] wisely", []),
+    ),
+    (
+        "mistral: a call that never closed is no content",
+        'Ok. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}',
+        MISTRAL,
+        ("Ok.", []),
+    ),
+    (
+        "mistral v11: parallel calls",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}[TOOL_CALLS]add[ARGS]{}',
+        MISTRAL_ARGS,
+        (None, [("get_weather", '{"city": "Rome", "days": 2}'), ("add", "{}")]),
+    ),
+    (
+        "mistral v11: a call id before the arguments",
+        'Sure [TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{"a": "{"}',
+        MISTRAL_ARGS,
+        ("Sure", [("add", '{"a": "{"}')]),
+    ),
+    (
+        "mistral v11: no arguments object is content",
+        "[TOOL_CALLS]add[ARGS] nothing",
+        MISTRAL_ARGS,
+        ("[TOOL_CALLS]add[ARGS] nothing", []),
+    ),
+    (
+        "mistral v11: a marker in prose without [ARGS] is content",
+        "The [TOOL_CALLS] marker starts a call, " + "and this sentence is long enough " * 5,
+        MISTRAL_ARGS,
+        (
+            (
+                "The [TOOL_CALLS] marker starts a call, " + "and this sentence is long enough " * 5
+            ).strip(),
+            [],
+        ),
+    ),
+    (
+        "gemma: a bare JSON call",
+        '{"name": "get_weather", "parameters": {"city": "Lima"}}',
+        GEMMA,
+        (None, [("get_weather", '{"city": "Lima"}')]),
+    ),
+    (
+        "gemma: calls on lines of their own, text before",
+        'I will call.\n{"name": "add", "parameters": {}}\n{"name": "add", "parameters": {"a": 1}}',
+        GEMMA,
+        ("I will call.", [("add", "{}"), ("add", '{"a": 1}')]),
+    ),
+]
+
 # outputs cut off by max_tokens (finish reason length): what may begin a call at the end is no
 # content either
 CUT_OFF_CASES = [
@@ -387,6 +502,11 @@ CUT_OFF_CASES = [
     ("text that begins no call", "a < b", QWEN25, ("a < b", [])),
     ("llama: a trigger prefix at the end", 'x {"na', LLAMA3_JSON, ("x", [])),
     ("llama: a call cut off", '{"name": "add", "parameters": {"a"', LLAMA3_JSON, (None, [])),
+    ("mistral: a marker prefix at the end", "Ok [TOOL_CA", MISTRAL, ("Ok", [])),
+    ("mistral: an array cut off", m(("add", "{}"))[:-3], MISTRAL, (None, [])),
+    ("mistral v11: a name cut off", "[TOOL_CALLS]get_wea", MISTRAL_ARGS, (None, [])),
+    ("mistral v11: arguments cut off", '[TOOL_CALLS]add[ARGS]{"a": ', MISTRAL_ARGS, (None, [])),
+    ("gemma: a call cut off", 'Hi {"name": "add", "param', GEMMA, ("Hi", [])),
 ]
 
 
@@ -980,3 +1100,71 @@ def test_native_constraint_errors(values, param, words):
     assert err.value.status == 400 and err.value.param == param
     for word in words:
         assert word in err.value.message
+
+
+# ---- the other families' templates ---------------------------------------------------------
+
+
+def test_gemma_gets_the_tools_from_weft(qwen_tokenizer):
+    # Gemma 3's template ignores `tools`: the documented prompt goes into the first user turn
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for messages, opening in ((None, ""), (system, "Be brief.\n\n")):
+        fields = {"messages": messages} if messages else {}
+        prompt, params, job = run_chat(qwen_tokenizer, GEMMA3, tools=TOOLS, **fields)
+        assert job.tools is not None and job.tools.format is GEMMA
+        tools_text = "\n".join(json.dumps(t) for t in check_tools(TOOLS))
+        assert prompt.endswith(
+            f"<start_of_turn>user\n{opening}You have access to functions. If you decide to invoke "
+            'any of the function(s), you MUST put it in the format of {"name": function name, '
+            '"parameters": dictionary of argument name and its value}\nYou SHOULD NOT include '
+            f"any other text in the response if you call a function\n{tools_text}\n\n"
+            f"{(messages or [{'content': 'Hi'}])[-1]['content']}<end_of_turn>\n"
+            "<start_of_turn>model\n"
+        ), prompt
+        tag = json.loads(params.structural_tag)
+        assert tag == structural_tag(GEMMA, check_tools(TOOLS), ToolChoice("auto"))
+    prompt, _, job = run_chat(qwen_tokenizer, GEMMA3, tools=TOOLS, tool_choice="none")
+    assert "You have access to functions" not in prompt and job.tools is None
+    # a template that shows the tools itself is left alone
+    prompt, _, _ = run_chat(qwen_tokenizer, MISTRAL_V11, tools=TOOLS)
+    assert "You have access to functions" not in prompt
+    assert '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"' in prompt
+
+
+def test_qwen3_template_takes_tools_and_thinking(qwen_tokenizer):
+    prompt, params, job = run_chat(
+        qwen_tokenizer, QWEN3, tools=TOOLS, chat_template_kwargs={"enable_thinking": False}
+    )
+    assert job.tools is not None and job.tools.format is QWEN25
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert json.loads(params.structural_tag)["triggers"] == ["<tool_call>"]
+
+
+def test_a_request_template_needs_the_servers_trust(qwen_tokenizer, tmp_path):
+    qwen = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    error = api_error(run_chat, qwen_tokenizer, qwen, chat_template=GEMMA3)
+    assert error.param == "chat_template" and "--trust-request-chat-template" in error.message
+    chat = ChatRenderer(qwen_tokenizer, qwen)
+    assert chat.for_request(None, trusted=False) is chat
+    assert chat.for_request(GEMMA3, trusted=True).template_text == GEMMA3
+    # a file name is text, never read (a client must not make the server read its files)
+    path = tmp_path / "t.jinja"
+    path.write_text(GEMMA3)
+    assert chat.for_request(str(path), trusted=True).template_text == str(path)
+
+
+@pytest.mark.parametrize(
+    "fmt", [QWEN25, MISTRAL, MISTRAL_ARGS, LLAMA3_JSON, GEMMA], ids=lambda f: f.name
+)
+def test_every_format_gives_a_valid_tag_for_every_choice(fmt):
+    tools = check_tools(TOOLS)
+    for choice in (ToolChoice("auto"), ToolChoice("required"), ToolChoice("function", "add")):
+        for parallel in (True, False):
+            tag = structural_tag(fmt, tools, choice, parallel)
+            assert json.loads(parse_spec("structural_tag", json.dumps(tag)).text) == tag
+            # what the constraint lets the model write, the parser reads back as the call
+            call = tag["structures"][0]
+            text = call["begin"] + '{"city": "Oslo"}' + call["end"]
+            name = "add" if choice.mode == "function" else "get_weather"
+            assert calls_of(text, fmt) == (None, [(name, '{"city": "Oslo"}')])

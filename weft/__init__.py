@@ -4,6 +4,7 @@
 Programs (docs/dsl.md):
     @weft.function            a program: a Python function of a state `s`
     s += text, gen(...), select(...), system/user/assistant(...), s.fork(n) / .join()
+    separate_reasoning(gen("x"), model_type="qwen3")   s["x"], s["x_reasoning_content"]
     prog.run(..., backend=...), prog(...), prog.run_batch([...]), prog.trace(...)
     gen_int, gen_string, *_begin / *_end role markers, ChoicesSamplingMethod and the three
     choices methods, set_default_backend
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         get_server_info,
         greedy_token_selection,
         select,
+        separate_reasoning,
         set_default_backend,
         system,
         system_begin,
@@ -79,6 +81,7 @@ __all__ = [
     "get_server_info",
     "greedy_token_selection",
     "select",
+    "separate_reasoning",
     "set_default_backend",
     "system",
     "system_begin",

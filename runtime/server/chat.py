@@ -5,6 +5,10 @@ expect: `tools=[{"type": "function", "function": {...}}]`, assistant `tool_calls
 `function.arguments` is a dict (OpenAI sends it as JSON text), and `tool` messages with
 `tool_call_id`.
 
+A template that ignores `tools` (Gemma 3's) cannot teach them: where the call format has a
+prompt of its own (tool_formats.ToolFormat.tool_prompt), that text goes into the conversation as
+(the end of) its system message, which such templates render.
+
 `chat_template_kwargs` (vLLM's and SGLang's field) are extra variables of the template, e.g.
 Qwen3's `enable_thinking`; names that apply_chat_template takes itself are refused.
 """
@@ -21,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from weft.runtime.server.errors import ApiError, bad_request, not_supported
 from weft.runtime.server.openai_protocol import ChatMessage
+from weft.runtime.server.tool_formats import detect_format, renders_tools
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # apply_chat_template's own parameters and the variables it sets: not template kwargs
@@ -67,6 +72,24 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template = load_chat_template(override)
 
+    def for_request(self, template: str | None, trusted: bool) -> ChatRenderer:
+        """The renderer of a request that may bring its own template (vLLM's `chat_template`
+        field); `trusted`: --trust-request-chat-template. A 400 when it may not."""
+        if template is None:
+            return self
+        if not trusted:
+            raise bad_request(
+                "chat_template in a request needs the server's --trust-request-chat-template",
+                "chat_template",
+            )
+        if not template.strip():
+            raise bad_request("chat_template must not be empty", "chat_template")
+        own = ChatRenderer(self.tokenizer, None)
+        # NOTE: the text itself, never load_chat_template's "a file name" reading: a client
+        # must not make the server read its files
+        own.template = template
+        return own
+
     @property
     def available(self) -> bool:
         return self.tokenizer is not None and bool(
@@ -105,6 +128,8 @@ class ChatRenderer:
         if not messages:
             raise bad_request("messages must not be empty", "messages")
         plain = [_plain(m, i) for i, m in enumerate(messages)]
+        if tools:
+            plain = self._with_tool_prompt(plain, tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 plain,
@@ -120,6 +145,22 @@ class ChatRenderer:
             ) from None
         assert isinstance(text, str)
         return text
+
+    def _with_tool_prompt(
+        self, plain: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The messages, with the format's tool prompt in the system message when the template
+        would drop the tools."""
+        template = self.template_text
+        fmt = detect_format(template)
+        prompt = fmt.tool_prompt(tools) if fmt is not None and not renders_tools(template) else None
+        if prompt is None:
+            return plain
+        if plain[0]["role"] == "system":
+            own = plain[0]["content"]
+            system = {**plain[0], "content": f"{own}\n\n{prompt}" if own else prompt}
+            return [system, *plain[1:]]
+        return [{"role": "system", "content": prompt}, *plain]
 
 
 def _plain(message: ChatMessage, i: int) -> dict[str, Any]:

@@ -179,6 +179,7 @@ def _chat_job(
     tenant: str | None = None,
 ) -> Job:
     model = _check_model(tm, req.model)
+    chat = chat.for_request(req.chat_template, tm.config.trust_request_chat_template)
     chat.check_available()
     json_schema = response_format_constraint(
         req.response_format, tm.config.request_limits.max_grammar_chars

@@ -83,6 +83,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     # vLLM's and SGLang's: extra chat template variables (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a Jinja chat template for this request (with --trust-request-chat-template)
+    chat_template: str | None = None
     # SGLang's, with --reasoning-parser: the thinking as reasoning_content (default true), and
     # streamed as it comes (true) or in one delta once it ends (false)
     separate_reasoning: bool | None = None

@@ -5,12 +5,8 @@ output is constrained by a structural tag (weft.grammars.spec) so that every cal
 has the exact format its template taught it; the finished text (or the streamed deltas) is parsed
 back into OpenAI `tool_calls`.
 
-The call format comes from the chat template text (never from the model's name):
-
-- qwen25 (the template mentions `<tool_call>`): a call is
-  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, calls are joined by "\\n";
-- llama3_json (it mentions `<|python_tag|>` or `Environment: ipython`): a call is
-  `{"name": "f", "parameters": {...}}`, calls are joined by "; ".
+The call format comes from the chat template text (never from the model's name): `tool_formats`
+(Qwen2.5/Qwen3 `<tool_call>`, Mistral `[TOOL_CALLS]`, Llama 3.1 JSON, Gemma 3 JSON in text).
 
 Parsing (`tool_parser`) is one left-to-right pass that the whole-text parse and the stream
 share, so a streamed answer yields exactly the calls and content of the same text parsed at once.
@@ -25,13 +21,8 @@ from typing import Any
 
 from weft.grammars.spec import InvalidSpec, parse_spec
 from weft.runtime.server.errors import ApiError, bad_request
-from weft.runtime.server.tool_parser import (
-    ToolCall,
-    ToolCallParser,
-    ToolFormat,
-    detect_format,
-    parse_tool_calls,
-)
+from weft.runtime.server.tool_formats import ToolFormat, detect_format
+from weft.runtime.server.tool_parser import ToolCall, ToolCallParser, parse_tool_calls
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -256,8 +247,9 @@ def plan_tools(
     fmt = detect_format(template)
     if fmt is None:
         raise bad_request(
-            "this model's chat template has no tool-call format (known: Qwen2.5 <tool_call> "
-            "tags, Llama 3.1 JSON calls)",
+            "this model's chat template has no tool-call format (known: Qwen2.5/Qwen3 "
+            "<tool_call> tags, Mistral [TOOL_CALLS], Llama 3.1 JSON calls, Gemma 3 "
+            "<start_of_turn> turns)",
             "tools",
         )
     tag = structural_tag(fmt, checked, choice, parallel_tool_calls is not False)

@@ -1,7 +1,7 @@
-"""Tool calls in model output: the call formats chat templates teach, and one left-to-right parse
-(`ToolCallParser`) that the whole-text parse and the stream share, so a streamed answer yields
-exactly the calls and content of the same text parsed at once. The request side (tools, the
-structural tag) is `tool_calls`.
+"""Tool calls in model output: one left-to-right parse (`ToolCallParser`) that the whole-text
+parse and the stream share, so a streamed answer yields exactly the calls and content of the same
+text parsed at once. How each model family spells a call is `tool_formats`; the request side
+(tools, the structural tag) is `tool_calls`.
 """
 
 from __future__ import annotations
@@ -9,76 +9,19 @@ from __future__ import annotations
 import json
 import logging
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from weft.runtime.server.tool_formats import ToolFormat
+
 logger = logging.getLogger("weft")
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    """How one model family writes a call: `open_tag` + a JSON object + `close_tag`.
-
-    Without tags the JSON object itself is the call and `trigger` (the start of the object) marks
-    where one begins in free text.
-    """
-
-    name: str
-    trigger: str  # a call starts where this appears in the output
-    open_tag: str  # before the JSON object ("" if none)
-    close_tag: str  # after the JSON object ("" if none: the object ends the call)
-    args_key: str  # the JSON key of the arguments object
-    separator: str  # between calls when the output is nothing but calls
-
-    def begin(self, name: str) -> str:
-        """The text of a call up to its arguments object (the structure's `begin`)."""
-        head = f"{self.open_tag}\n" if self.open_tag else ""
-        return f'{head}{{"name": {json.dumps(name)}, "{self.args_key}": '
-
-    @property
-    def end(self) -> str:
-        """The text of a call after its arguments object (the structure's `end`)."""
-        return "}" + (f"\n{self.close_tag}" if self.close_tag else "")
-
-
-QWEN25 = ToolFormat(
-    name="qwen25",
-    trigger="<tool_call>",
-    open_tag="<tool_call>",
-    close_tag="</tool_call>",
-    args_key="arguments",
-    separator="\n",
-)
-LLAMA3_JSON = ToolFormat(
-    name="llama3_json",
-    trigger='{"name": "',
-    open_tag="",
-    close_tag="",
-    args_key="parameters",
-    separator="; ",
-)
-
-
-def detect_format(template: str | None) -> ToolFormat | None:
-    """The call format a chat template teaches, or None if it teaches none we know."""
-    if not template:
-        return None
-    if "<tool_call>" in template:
-        return QWEN25
-    if "<|python_tag|>" in template or "Environment: ipython" in template:
-        return LLAMA3_JSON
-    return None
-
-
-# ---- parsing calls ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text of an object
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str  # ToolFormat.call_id: Mistral's templates take only their own shape back
 
     def to_openai(self) -> dict[str, Any]:
         return {
@@ -113,9 +56,10 @@ class _Trim:
 class ToolCallParser:
     """Splits model output into content and calls, fed any chunking of the text.
 
-    Text is content until the format's trigger; a trigger starts a call that ends at the close
-    tag (or where the JSON object closes, for formats without tags). A complete call whose JSON
-    does not decode to {"name": <a tool>, <args key>: {...}} stays content. Between calls, and
+    Text is content until the format's trigger; a trigger starts a call that ends where the
+    format says (`ToolFormat.call_end`: a close tag, the JSON that closes). A complete call that
+    the format does not decode to calls of known tools with object arguments stays content (one
+    Mistral array holds several calls: all of them, or it is content). Between calls, and
     after the last one, whitespace and the separator are dropped. Content is stripped as a whole.
     Text that might still become part of a call (a prefix of the trigger, an unclosed call) is
     held back until it is decided or the output ends; then a call that never closed is dropped
@@ -160,18 +104,18 @@ class ToolCallParser:
                 break
             self._content(out, self.pending[:start])
             self.pending = self.pending[start:]
-            end = self._call_end(self.pending)
+            end = self.fmt.call_end(self.pending)
             if end is None and not final:
                 break
             segment = self.pending if end is None else self.pending[:end]
-            call = self._decode(segment, closed=end is not None)
-            if call is None and end is None:
+            calls = self._decode(segment, closed=end is not None)
+            if calls is None and end is None:
                 break  # an unclosed call: never content (finish drops it)
-            if call is None:
+            if calls is None:
                 self._content(out, segment)
             else:
-                out.append(call)
-                self.num_calls += 1
+                out.extend(calls)
+                self.num_calls += len(calls)
                 self.after_call = True
             self.pending = self.pending[len(segment) :]
         return out
@@ -205,39 +149,18 @@ class ToolCallParser:
             else:
                 out.append(piece)
 
-    def _call_end(self, text: str) -> int | None:
-        """Where the call starting at text[0] ends (exclusive), None if it has not ended yet."""
-        if self.fmt.close_tag:
-            at = text.find(self.fmt.close_tag, len(self.fmt.trigger))
-            return None if at < 0 else at + len(self.fmt.close_tag)
-        return _object_end(text)
-
-    def _decode(self, segment: str, closed: bool) -> ToolCall | None:
-        body = segment
-        if self.fmt.open_tag:
-            body = body[len(self.fmt.open_tag) :]
-            if closed:
-                body = body[: -len(self.fmt.close_tag)]
-        elif not closed:
-            return None  # an unclosed JSON object is never a call
-        try:
-            obj = json.loads(body)
-        except (json.JSONDecodeError, RecursionError):
-            logger.debug("tool call parser: not JSON, kept as content: %r", segment[:200])
+    def _decode(self, segment: str, closed: bool) -> list[ToolCall] | None:
+        parsed = self.fmt.decode(segment, closed)
+        if parsed is None:
+            logger.debug("tool call parser: no call, kept as content: %r", segment[:200])
             return None
-        if not isinstance(obj, dict) or obj.get("name") not in self.names:
+        if any(name not in self.names for name, _ in parsed):
             logger.debug("tool call parser: not a call of a known tool: %r", segment[:200])
             return None
-        args = obj.get(self.fmt.args_key, obj.get("arguments", obj.get("parameters", {})))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except (json.JSONDecodeError, RecursionError):
-                args = None
-        if not isinstance(args, dict):
-            logger.debug("tool call parser: arguments are not an object: %r", segment[:200])
-            return None
-        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        return [
+            ToolCall(name, json.dumps(args, ensure_ascii=False), self.fmt.call_id())
+            for name, args in parsed
+        ]
 
 
 def _held_prefix(text: str, trigger: str) -> int:
@@ -246,30 +169,6 @@ def _held_prefix(text: str, trigger: str) -> int:
         if trigger.startswith(text[-size:]):
             return size
     return 0
-
-
-def _object_end(text: str) -> int | None:
-    """text starts with "{": the index after the matching "}" (strings respected), or None."""
-    depth = 0
-    in_string = False
-    escaped = False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
 
 
 def parse_tool_calls(

@@ -178,6 +178,25 @@ def check_roles(backend, tokenizer=None):
         assert s["answer"] == direct(backend, head, max_new_tokens=8, **GREEDY)
 
 
+@weft.function
+def thoughtful(s, start):
+    # stories260K writes no <think>: a generic parser whose thinking is the first sentence
+    s += start + weft.separate_reasoning(
+        weft.gen("story", max_tokens=40), model_type="generic", reasoning_end="."
+    )
+    s += " The end."
+
+
+def check_separate_reasoning(backend):
+    s = thoughtful.run(start="Once upon a time", backend=backend, **GREEDY)
+    raw = direct(backend, "Once upon a time", max_new_tokens=40, **GREEDY)
+    thought, dot, answer = raw.partition(".")
+    assert dot, raw  # the split is at the first "." (the thinking stripped, the answer lstripped)
+    assert (s["story_reasoning_content"], s["story"]) == (thought.strip(), answer.lstrip())
+    assert s.text() == "Once upon a time" + answer.lstrip() + " The end."
+    return s
+
+
 PLAIN = [
     check_text_and_gen_are_one_request,
     check_select,
@@ -187,4 +206,5 @@ PLAIN = [
     check_batch,
     check_backend_error_names_the_gen,
     check_dtype,
+    check_separate_reasoning,
 ]

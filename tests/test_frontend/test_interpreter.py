@@ -438,3 +438,70 @@ def test_trace_reads_no_value_from_placeholders():
 
     plan = prog.trace()
     assert [r.label for r in plan] == ["gen('p')", "gen('n')"]
+
+
+# ---- separate_reasoning ----------------------------------------------------------------------
+
+
+@weft.function
+def thinker(s):
+    s += weft.user("2+2?")
+    s += weft.assistant(weft.separate_reasoning(weft.gen("answer"), model_type="qwen3"))
+    s += weft.user("And 3+3?")
+    s += weft.assistant(weft.gen("again"))
+
+
+THINKING_REPLIES = {
+    "2+2?</user><assistant>": "<think>\nadd two </think>\n\nfour",
+    "3+3?</user><assistant>": "six",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_separate_reasoning_keeps_the_answer_in_the_text(stream):
+    be = FakeBackend(replies=THINKING_REPLIES, template=True)
+    s = thinker.run(backend=be, stream=stream)
+    assert (s["answer"], s["answer_reasoning_content"]) == ("four", "add two")
+    assert s["again"] == "six"
+    # as SGLang: the thinking leaves the running prompt, the next request does not see it
+    first = "<user>2+2?</user><assistant>four</assistant>"
+    assert s.text() == first + "<user>And 3+3?</user><assistant>six</assistant>"
+    assert be.calls[-1][1] == first + "<user>And 3+3?</user><assistant>"
+    assert s.messages()[1] == {"role": "assistant", "content": "four"}
+    assert repr(weft.separate_reasoning(weft.gen("a"), model_type="qwen3")) == (
+        "Gen('a') + SeparateReasoning(['a'], model_type='qwen3')"
+    )
+
+
+@weft.function
+def two_thinkers(s):
+    s += "Q: " + weft.separate_reasoning(
+        weft.gen("a", stop="|") + " and " + weft.gen("b"),
+        model_type="generic",
+        reasoning_end=".",
+    )
+    s += " Done."
+
+
+def test_separate_reasoning_of_several_gens_outside_roles():
+    be = FakeBackend(replies={"Q: ": "I think. one|", " and ": "So. two"})
+    s = two_thinkers.run(backend=be)
+    assert (s["a"], s["a_reasoning_content"]) == ("one|", "I think")
+    assert (s["b"], s["b_reasoning_content"]) == ("two", "So")
+    assert s.text() == "Q: one| and two Done."
+
+
+def test_separate_reasoning_errors():
+    with pytest.raises(ValueError, match="model_type is required"):
+        weft.separate_reasoning(weft.gen("a"))
+    with pytest.raises(ValueError, match="needs a name"):
+        weft.separate_reasoning(weft.gen(), model_type="qwen3")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        weft.separate_reasoning(weft.gen("a"), model_type="kimi")
+
+    @weft.function
+    def typed(s):
+        s += "n=" + weft.separate_reasoning(weft.gen("n", dtype=int), model_type="qwen3")
+
+    with pytest.raises(ProgramError, match=r"separate_reasoning\(.n.\): .* int, not text"):
+        typed.run(backend=FakeBackend(replies={"n=": "4"}))
