@@ -202,9 +202,9 @@ class LLGuidanceBackend(GrammarBackend):
         calls = []
         for i, s in enumerate(tag["structures"]):
             begin, end = self._lark_text(s["begin"]), self._lark_text(s["end"])
-            calls.append(
-                f"call_{i}: {begin} %json {json.dumps(optional_keys_last(s['schema']))} {end}"
-            )
+            # NOTE: the JSON layout travels in the schema: %json takes no overrides
+            schema = {**optional_keys_last(s["schema"]), "x-guidance": JSON_OPTIONS}
+            calls.append(f"call_{i}: {begin} %json {json.dumps(schema)} {end}")
         alternatives = " | ".join(f"call_{i}" for i in range(len(calls)))
         sep = self._lark_text(tag["separator"])
         body = f"call ({sep} call)*" if tag["repeat"] else "call"

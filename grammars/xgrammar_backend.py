@@ -189,7 +189,12 @@ def _structural(tag: dict[str, Any]) -> dict[str, Any]:
         {
             "type": "tag",
             "begin": s["begin"],
-            "content": {"type": "json_schema", "json_schema": _for_xgrammar(s["schema"])},
+            # NOTE: unbounded by default: a model could fill the context with whitespace
+            "content": {
+                "type": "json_schema",
+                "json_schema": _for_xgrammar(s["schema"]),
+                "max_whitespace_cnt": JSON_WHITESPACE_MAX,
+            },
             "end": s["end"],
         }
         for s in tag["structures"]

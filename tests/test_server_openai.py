@@ -407,8 +407,7 @@ def test_tool_call_formats_stream_the_calls_they_return(client, template, tool_c
         "tool_choice": named if tool_choice == "named" else "required",
         "parallel_tool_calls": False,  # (no max_tokens: what the 512-token context leaves)
         "temperature": 0,
-        # NOTE: xgrammar holds no structural tag's JSON to JSON_WHITESPACE_MAX: unpenalized,
-        # this model writes newlines inside the arguments up to the context's end
+        # NOTE: unpenalized, this model can repeat inside a string argument to the context's end
         "frequency_penalty": 2.0,
         "extra_body": {"chat_template": template},
     }

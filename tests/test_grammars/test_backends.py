@@ -11,7 +11,7 @@ import pytest
 
 from weft.grammars.bitmask import allocate_bitmask, allowed_ids, bit_is_set
 from weft.grammars.manager import GrammarError, GrammarManager, RequestGrammar
-from weft.grammars.spec import InvalidSpec, choices_spec, parse_spec
+from weft.grammars.spec import JSON_WHITESPACE_MAX, InvalidSpec, choices_spec, parse_spec
 
 from .conftest import QWEN_END_IDS, QWEN_VOCAB
 
@@ -109,6 +109,20 @@ def test_masks_follow_the_grammar(managers, qwen_tokenizer, backend, kind):
     fresh = RequestGrammar(compiled, QWEN_END_IDS)
     stop = _walk(manager, fresh, qwen_tokenizer, bad)
     assert stop is not None and stop < len(qwen_tokenizer.encode(bad, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("backend", list(SUPPORTED))
+def test_tool_call_arguments_hold_whitespace_runs_to_the_json_bound(
+    managers, qwen_tokenizer, backend
+):
+    # unbounded, a small model fills its context with newlines inside the arguments
+    compiled = managers[backend].compile(CASES["structural_tag"][0])
+    head = '<tool_call>\n{"name": "get_weather", "arguments": {'
+    for run, allowed in ((JSON_WHITESPACE_MAX, True), (JSON_WHITESPACE_MAX + 1, False)):
+        grammar = RequestGrammar(compiled, QWEN_END_IDS)
+        text = head + " " * run + '"city": "Oslo"}}\n</tool_call>'
+        stop = _walk(managers[backend], grammar, qwen_tokenizer, text)
+        assert (stop is None) == allowed, (run, stop)
 
 
 @pytest.mark.parametrize("backend", list(SUPPORTED))
