@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from weft.runtime.models.gemma3 import Gemma3ForCausalLM
 from weft.runtime.models.llama import LlamaForCausalLM
 from weft.runtime.models.mistral import MistralForCausalLM
 from weft.runtime.models.qwen2 import Qwen2ForCausalLM
 from weft.runtime.models.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
