@@ -106,13 +106,17 @@ class GemmaRMSNorm(RMSNorm):
     (Llama casts first, then multiplies by the weight itself). Checkpoints store weight - 1
     (zero-initialised), so the weight alone is not the scale.
 
-    NOTE: always the torch ops: the fused Triton RMSNorm multiplies by the weight itself, so
-    `fused` is ignored here rather than computing (x * w) where Gemma means (x * (1 + w)).
+    NOTE: fused: the Triton RMSNorm's unit_offset variant; without that flag it would scale by
+    the weight itself (x * w where Gemma means x * (1 + w)).
     """
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused:
+            from weft.kernels.rmsnorm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual, unit_offset=True)
         if residual is not None:
             x = x + residual
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -162,8 +166,11 @@ def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
 
 def gelu_tanh_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """x [T, 2I] (gate | up) -> gelu_tanh(gate) * up [T, I] (Gemma's gelu_pytorch_tanh).
+    fused: the Triton activation kernel's GELU variant (CUDA)."""
+    if fused:
+        from weft.kernels.activation import silu_and_mul as fused_act_and_mul
 
-    NOTE: torch ops always (`fused` is ignored): the Triton activation kernel is SiLU only."""
+        return fused_act_and_mul(x, gelu_tanh=True)
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

@@ -21,14 +21,15 @@ from .kernel_utils import HAS_CUDA, INTERPRETED
 from conftest import make_engine
 from hf_models import CONFIGS, save_random_model
 
-# NOTE: one Gemma 3 config is enough here (the interpreter runs ~20 s a config): the other one
-# checks the same kernels with the same options (window, scale), at a different window
+# NOTE: one Gemma 3 config is enough here: the other one runs the same kernels with the same
+# options (window, scale) at another window. It is slow (~40 s): the interpreter runs its six
+# fused norms a layer and the GELU kernel too
 _SAME_KERNEL_PATHS = {"gemma3-gqa-window8-tied"}
-WINDOWED = sorted(
-    name
-    for name, spec in CONFIGS.items()
+WINDOWED = [
+    pytest.param(name, marks=pytest.mark.slow) if spec["arch"] == "gemma3" else name
+    for name, spec in sorted(CONFIGS.items())
     if spec.get("sliding_window") and name not in _SAME_KERNEL_PATHS
-)
+]
 
 
 @pytest.fixture(scope="module", params=WINDOWED)
