@@ -104,7 +104,8 @@ CONFIGS = {
         rope_local_base_freq=1000.0,
         tie_word_embeddings=True,
     ),
-    # Gemma 3 with both soft-caps, one KV head, linear RoPE scaling on the global layer
+    # Gemma 3 with the final soft-cap, one KV head, linear RoPE scaling on the global layer;
+    # attn_logit_softcapping is set but, as in transformers' Gemma 3, never applied
     "gemma3-softcap-window24-mqa": dict(
         arch="gemma3",
         hidden_size=64,
