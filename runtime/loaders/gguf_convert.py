@@ -1,4 +1,5 @@
-"""Convert a GGUF file (llama, qwen2, qwen3, gemma3) into a Hugging Face-style model folder, cached on disk.
+"""Convert a GGUF file (llama, qwen2, qwen3, gemma3) into a Hugging Face-style model folder,
+cached on disk.
 
 The engine's HF loader then reads the folder like any checkpoint. Layout of the output:
 

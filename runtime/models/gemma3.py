@@ -19,7 +19,7 @@ from weft.runtime.models.llama import MLP, Attention, LlamaForCausalLM
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """h = x + post_attn_norm(attn(input_norm(x))), then out = h + post_ff_norm(mlp(pre_ff_norm(h))).
+    """h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h))).
 
     As in Llama, a layer returns its branch output and the residual stream separately: the next
     norm adds them (the additions happen in the model dtype, where transformers does them).
@@ -44,10 +44,11 @@ class Gemma3DecoderLayer(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h, _ = self.post_attention_layernorm(self.self_attn(h, rope, batch, attn))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
-        h, _ = self.post_feedforward_layernorm(self.mlp(h, attn.fused_layers))
+        fused = attn.fused_layers
+        h, residual = self.input_layernorm(x, residual, fused)
+        h, _ = self.post_attention_layernorm(self.self_attn(h, rope, batch, attn), None, fused)
+        h, residual = self.pre_feedforward_layernorm(h, residual, fused)
+        h, _ = self.post_feedforward_layernorm(self.mlp(h, fused), None, fused)
         return h, residual
 
 
