@@ -12,8 +12,8 @@ _GEMMA3 = "Gemma3ForCausalLM"
 _HEAD_DIM = {"Qwen3ForCausalLM": 128, _GEMMA3: 256}
 _WINDOW = {"MistralForCausalLM": 4096, _GEMMA3: 4096}
 _ROPE_THETA = {_GEMMA3: 1_000_000.0}
-_LOCAL_ROPE_THETA = {_GEMMA3: 10_000.0}
-_ACT = {_GEMMA3: "gelu_pytorch_tanh"}  # Gemma 3's sliding layers: rope_local_base_freq
+_LOCAL_ROPE_THETA = {_GEMMA3: 10_000.0}  # Gemma 3's sliding layers: rope_local_base_freq
+_ACT = {_GEMMA3: "gelu_pytorch_tanh"}
 
 
 @dataclass(frozen=True)
