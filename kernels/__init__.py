@@ -3,9 +3,9 @@
     decode_attention   paged attention, one query token per request (split-K + merge)
     extend_attention   paged prefill/extend attention over a cached prefix + causal new tokens
     kv_store           write new tokens' K/V into the pool at their slots
-    rmsnorm            fused residual add + RMSNorm
+    rmsnorm            fused residual add + RMSNorm (Gemma's 1 + weight too)
     rotary             rotate-half RoPE from cos/sin tables
-    activation         SiLU-and-mul
+    activation         SiLU-and-mul (GELU-tanh-and-mul too)
     fused_moe          mixture-of-experts MLP: grouped GEMMs over the tokens of each expert
     moe_routing        its top-k softmax and the grouping of tokens by expert (padded blocks)
 

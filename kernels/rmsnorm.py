@@ -4,6 +4,10 @@
     normed = rms_norm(float32(s)) -> dtype  (rounded once, before the weight)
     out = weight * normed                   (in x's dtype)
 
+and, with unit_offset (Gemma's norm, layers.GemmaRMSNorm), one rounding at the end instead:
+
+    out = (rms_norm(float32(s)) * (1 + float32(weight))) -> dtype
+
 Grid (T,): one program per row; the whole row (H <= 65536) is one block.
 """
 
@@ -32,6 +36,7 @@ def _rmsnorm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -43,9 +48,12 @@ def _rmsnorm_kernel(
         tl.store(residual_out + t * stride_ro + offs, s_low, mask=mask)
         s = s_low.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(s * s, 0) / HIDDEN + eps)
-    normed = (s * inv_rms).to(out.dtype.element_ty).to(tl.float32)
     w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + t * stride_o + offs, (w * normed).to(out.dtype.element_ty), mask=mask)
+    if UNIT_OFFSET:
+        y = (s * inv_rms) * (1.0 + w)
+    else:
+        y = w * (s * inv_rms).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + t * stride_o + offs, y.to(out.dtype.element_ty), mask=mask)
 
 
 def rmsnorm(
@@ -56,8 +64,10 @@ def rmsnorm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * norm(x + residual), x + residual); without a residual, (weight * norm(x), x).
+    unit_offset: (1 + weight) * norm(...), Gemma's (see the module docstring for the rounding).
 
     x [T, H] (row stride free), residual [T, H], weight [H], all of one dtype. `out` and
     `residual_out` ([T, H], new tensors unless given) may be x or residual themselves (each
@@ -99,16 +109,24 @@ def rmsnorm(
             HIDDEN=hidden,
             BLOCK=block,
             HAS_RESIDUAL=has_residual,
+            UNIT_OFFSET=unit_offset,
             num_warps=min(max(block // 256, 1), 16),
         )
     return out, residual_out
 
 
 def rmsnorm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch twin: the same operations as layers.RMSNorm.forward."""
+    """The torch twin: the same operations as layers.RMSNorm.forward (GemmaRMSNorm's with
+    unit_offset)."""
     if residual is not None:
         x = x + residual
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return weight * normed, x
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype), x
+    return weight * normed.to(x.dtype), x

@@ -6,8 +6,9 @@ Inputs per step (see `ForwardBatch`): `req_pool_indices` picks rows of `req_to_t
 tokens of this step (already allocated, written here), the first `prefix_lens[b]` were computed
 earlier (or come from the prefix cache). Query tokens of one request are contiguous in the batch.
 
-Per layer, the model passes its `AttentionOptions` with every call: a sliding window and logit
-soft-capping, each off by default (a model may give each layer its own, as Gemma 3 does).
+Per layer, the model passes its `AttentionOptions` with every call: a sliding window, logit
+soft-capping and the score scale, each at its plain default unless set (a model may give each
+layer its own, as Gemma 3 does).
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ class AttentionOptions:
     sliding_window: int | None = None
     # c: scores (q.k * scale) become c * tanh(score / c) before the softmax (Gemma 2/3)
     logit_cap: float | None = None
+    # s: scores are q.k * s (None: 1 / sqrt(head_dim), SDPA's default; Gemma 3 sets its own)
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.logit_cap is not None and self.logit_cap <= 0:
             raise ValueError(f"logit_cap must be > 0, got {self.logit_cap}")
+        if self.scale is not None and self.scale <= 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
 
 
 FULL_ATTENTION = AttentionOptions()
@@ -134,13 +139,13 @@ class TorchAttention(AttentionBackend):
         k_buf = self.kv_pool.k_buffers[layer]
         v_buf = self.kv_pool.v_buffers[layer]
         num_tokens, num_heads, head_dim = q.shape
-        window, cap = options.sliding_window, options.logit_cap
+        window, cap, scale = options.sliding_window, options.logit_cap, options.scale
         windowed = None if window is None else self._masks(window, batch)
         if batch.is_decode:
             keys = k_buf[self._slots].transpose(1, 2)  # [B, Hkv, L, D]
             values = v_buf[self._slots].transpose(1, 2)
             keep = self._decode_mask if windowed is None else windowed[0]
-            out = _attend(q.unsqueeze(2), keys, values, keep, cap)  # [B, Hq, 1, D]
+            out = _attend(q.unsqueeze(2), keys, values, keep, cap, scale)  # [B, Hq, 1, D]
             return out.reshape(num_tokens, num_heads * head_dim)
         outputs = []
         start = 0
@@ -152,11 +157,13 @@ class TorchAttention(AttentionBackend):
                 mask = windowed[i]
             if mask is None and prefix == 0 and ext > 1:  # causal over the new tokens alone
                 if cap is None:
-                    oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+                    oi = F.scaled_dot_product_attention(
+                        qi, ki, vi, is_causal=True, enable_gqa=True, scale=scale
+                    )
                 else:
-                    oi = _attend(qi, ki, vi, _visible(0, ext, None, q.device), cap)
+                    oi = _attend(qi, ki, vi, _visible(0, ext, None, q.device), cap, scale)
             else:
-                oi = _attend(qi, ki, vi, mask, cap)
+                oi = _attend(qi, ki, vi, mask, cap, scale)
             outputs.append(oi.transpose(0, 1).reshape(ext, num_heads * head_dim))
             start += ext
         return torch.cat(outputs, dim=0)
@@ -179,15 +186,16 @@ def _attend(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     logit_cap: float | None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """SDPA over [..., H, L, D] (k/v with Hkv heads) with a boolean mask; soft-capped scores
-    (which SDPA cannot do) in plain torch ops, at SDPA's default scale."""
+    (which SDPA cannot do) in plain torch ops. scale None: 1 / sqrt(D), SDPA's default."""
     if logit_cap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     group = q.shape[-3] // k.shape[-3]
     k = k.repeat_interleave(group, dim=-3)
     v = v.repeat_interleave(group, dim=-3)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     scores = torch.tanh(scores / logit_cap) * logit_cap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

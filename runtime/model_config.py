@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Any
 
 # Defaults that differ by architecture, as transformers' config classes set them.
-_HEAD_DIM = {"Qwen3ForCausalLM": 128}
+_GEMMA3 = "Gemma3ForCausalLM"
+_HEAD_DIM = {"Qwen3ForCausalLM": 128, _GEMMA3: 256}
+_WINDOW = {"MistralForCausalLM": 4096, _GEMMA3: 4096}
+_ROPE_THETA = {_GEMMA3: 1_000_000.0}
+_LOCAL_ROPE_THETA = {_GEMMA3: 10_000.0}  # Gemma 3's sliding layers: rope_local_base_freq
+_ACT = {_GEMMA3: "gelu_pytorch_tanh"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_mlp_layers: frozenset[int] = frozenset()
+    # the sliding-window layers' own RoPE (Gemma 3: rope_local_base_freq); None: the one above
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation (Gemma: gelu_pytorch_tanh)
+    # q.k multiplier before the softmax (None: 1 / sqrt(head_dim); Gemma: query_pre_attn_scalar)
+    attn_scale: float | None = None
+    attn_logit_cap: float | None = None  # scores -> c * tanh(score / c) (attn_logit_softcapping)
+    final_logit_cap: float | None = None  # logits -> c * tanh(logit / c) (final_logit_softcapping)
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -51,16 +64,19 @@ class ModelConfig:
         if not archs:
             raise ValueError(f"{source}: missing 'architectures'")
         arch = archs[0]
+        if arch == "Gemma3ForConditionalGeneration":
+            raise ValueError(
+                f"{source}: Gemma 3 with its vision tower is not supported; weft runs the text "
+                "model only (a config.json of architecture Gemma3ForCausalLM, model_type "
+                "gemma3_text)"
+            )
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
-            rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-            scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
-            if scaling is not None:
-                scaling.pop("rope_theta", None)
-                scaling.pop("type", None)
+            theta, scaling, local = _rope(raw, arch)
+            if raw.get("use_bidirectional_attention"):
+                raise ValueError("use_bidirectional_attention (an encoder) is not supported")
+            scalar = raw.get("query_pre_attn_scalar", 256 if arch == _GEMMA3 else None)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -72,14 +88,22 @@ class ModelConfig:
                 # NOTE: transformers' Qwen3Config defaults head_dim to 128, not hidden / heads
                 head_dim=int(raw.get("head_dim") or _HEAD_DIM.get(arch, hidden // heads)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
+                rope_theta=theta,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == _GEMMA3)),
                 attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 sliding_window=_sliding_window(raw),
                 full_attention_layers=_full_attention_layers(raw),
                 rope_scaling=scaling,
                 **_experts(raw),
+                local_rope_theta=local[0] if local else None,
+                local_rope_scaling=local[1] if local else None,
+                hidden_act=str(
+                    raw.get("hidden_activation") or raw.get("hidden_act") or _ACT.get(arch, "silu")
+                ),
+                attn_scale=None if scalar is None else float(scalar) ** -0.5,
+                attn_logit_cap=_optional_float(raw.get("attn_logit_softcapping")),
+                final_logit_cap=_optional_float(raw.get("final_logit_softcapping")),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_ids(raw.get("eos_token_id")),
@@ -125,7 +149,7 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     arch = (raw.get("architectures") or [""])[0]
     # NOTE: the defaults are transformers' own: MistralConfig's sliding_window is 4096 when the
     # key is absent, and Qwen2/3 configs use their window only when use_sliding_window says so
-    window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    window = raw.get("sliding_window", _WINDOW.get(arch))
     qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if window is None or not raw.get("use_sliding_window", not qwen):
         return None
@@ -157,9 +181,50 @@ def _full_attention_layers(raw: dict[str, Any]) -> frozenset[int]:
     types = raw.get("layer_types")
     if types:
         return frozenset(i for i, kind in enumerate(types) if kind != "sliding_attention")
+    if (raw.get("architectures") or [""])[0] == _GEMMA3:
+        # NOTE: transformers writes the pattern as "_sliding_window_pattern"; every pattern-th
+        # layer (1-based) is global
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return frozenset(i for i in range(int(raw["num_hidden_layers"])) if (i + 1) % pattern == 0)
     if "use_sliding_window" in raw and raw.get("max_window_layers") is not None:
         return frozenset(range(int(raw["max_window_layers"])))
     return frozenset()
+
+
+RopeSpec = tuple[float, dict[str, Any] | None]  # theta, scaling (None: plain RoPE)
+
+
+def _rope(raw: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None, RopeSpec | None]:
+    """(theta, scaling) of the full-attention layers, and the sliding layers' own where they
+    have one: transformers 5 writes `rope_parameters` per layer type for Gemma 3, older files
+    `rope_theta` / `rope_scaling` (the global layers) and `rope_local_base_freq`."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = _rope_spec(params.get("full_attention") or {}, _ROPE_THETA.get(arch, 10000.0))
+        local = _rope_spec(params.get("sliding_attention") or {}, _LOCAL_ROPE_THETA.get(arch, 1e4))
+        return full[0], full[1], local
+    theta, scaling = _rope_spec(
+        params or raw.get("rope_scaling") or {},
+        raw.get("rope_theta", _ROPE_THETA.get(arch, 10000.0)),
+    )
+    if arch not in _LOCAL_ROPE_THETA:
+        return theta, scaling, None
+    return theta, scaling, (float(raw.get("rope_local_base_freq", _LOCAL_ROPE_THETA[arch])), None)
+
+
+def _rope_spec(rope: dict[str, Any], default_theta: float) -> RopeSpec:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", default_theta))
+    if rope_type == "default":
+        return theta, None
+    scaling = {**rope, "rope_type": rope_type}
+    scaling.pop("rope_theta", None)
+    scaling.pop("type", None)
+    return theta, scaling
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

