@@ -83,9 +83,12 @@ def test_logprobs_and_seeded_samples(plain, overlap):
 def test_retraction_under_a_tiny_pool(stories_dir, plain):
     prompts = _prompts(8)
     greedy = {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
-    want = plain.generate(input_ids=prompts, sampling_params=greedy)
+    # half of them think (up to stories' "." or a budget): the phase survives a retraction
+    params = [{**greedy, "thinking_budget": 40} if i % 2 else greedy for i in range(8)]
+    kw = {"reasoning_end_ids": [DOT]}
+    want = plain.generate(input_ids=prompts, sampling_params=params, **kw)
     tiny = _overlapped(make_engine(stories_dir, max_total_tokens=400, enable_overlap_schedule=True))
-    got = tiny.generate(input_ids=prompts, sampling_params=greedy)
+    got = tiny.generate(input_ids=prompts, sampling_params=params, **kw)
     assert tiny.scheduler.num_retractions > 0
     _same(got, want)
     tiny.check_integrity()
@@ -106,6 +109,33 @@ def test_constrained_outputs_match_without_jump_forward(plain, overlap):
 
 
 PROSE = r"[A-Z][a-z]+ was happy\. One day, (he|she) went to the park with (his|her) mom\. The end\."
+DOT = 426  # stories' "." written after a word: the end of the thinking in the tests below
+
+
+def test_thinking_then_a_grammar_alike_under_both_schedules_and_without_drafts(plain, overlap):
+    """The thinking (free up to the "." the model writes, or the one a budget forces) switches
+    to the grammar, whose drafts then run: the same outputs under either schedule, and with
+    jump-forward off."""
+    budgets = [None, 3, 0, 1, None]
+    params = [
+        {"temperature": 0, "max_new_tokens": 80, "regex": PROSE, "thinking_budget": b}
+        for b in budgets
+    ]
+    kw = {"reasoning_end_ids": [DOT]}
+    want = plain.generate(PROMPTS, params, **kw)
+    _same(overlap.generate(PROMPTS, params, **kw), want)
+    with jump_forward_off(plain, overlap):
+        _same(plain.generate(PROMPTS, params, **kw), want)
+        _same(overlap.generate(PROMPTS, params, **kw), want)
+    for out, budget in zip(want, budgets, strict=True):
+        ids = out["output_ids"]
+        at = ids.index(DOT)
+        if budget is not None:
+            assert at == budget
+        answer = out["text"].split(".", 1)[1]
+        assert re.fullmatch(PROSE, answer.lstrip()), answer
+        assert out["meta_info"]["jump_forward_tokens"] > 0
+    assert any(o["text"].split(".", 1)[1][:1].isspace() for o in want)  # the gap was taken
 
 
 @pytest.mark.parametrize("schedule", ["plain", "overlap"])
