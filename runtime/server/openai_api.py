@@ -216,9 +216,7 @@ def _chat_job(
     thinks = fmt is not None and fmt.starts_in_reasoning(
         prompt, thinking if isinstance(thinking, bool) else None
     )
-    end_ids = thinking_phase(
-        tm.reasoning_end_ids, thinks, params.thinking_budget, "thinking_budget"
-    )
+    end_ids = thinking_phase(tm.reasoning_end_ids, thinks, params, "thinking_budget")
     gen = tm.build_request(
         ids,
         params,
@@ -285,7 +283,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager, tenant: str | 
         params, explicit = _sampling(
             req, tm, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
-        thinking_phase([], False, params.thinking_budget, "thinking_budget")  # no split here
+        thinking_phase([], False, params, "thinking_budget")  # no split here
         gens.append(
             tm.build_request(
                 ids,

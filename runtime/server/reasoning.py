@@ -25,10 +25,11 @@ it is decided or the output ends. The whole-text split is the stream's, fed at o
 Generation follows the same split (`thinking_phase`): a request whose output begins in the
 thinking carries the end marker's token ids to the scheduler, where a constraint (json_schema,
 regex, response_format, tool_choice required ...) holds only the answer after the marker and
-thinking_budget bounds the thinking (weft.runtime.thinking). Chat requests think whenever the
-rendered prompt leaves the thinking open; native /generate ones only where they ask for the
-split (separate_reasoning) or a thinking_budget: otherwise a native constraint holds the whole
-output, as it always did.
+thinking_budget bounds the thinking (weft.runtime.thinking). A chat request has the phase
+where the rendered prompt leaves the thinking open (whatever separate_reasoning says: it only
+chooses how the text comes back); a native /generate one only where it asks for the split
+(separate_reasoning) or a thinking_budget: otherwise a native constraint holds the whole output,
+as it always did. A request with neither a constraint nor a budget goes without it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.errors import bad_request
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "generic")
@@ -245,13 +247,16 @@ def marker_ids(tokenizer: PreTrainedTokenizerBase | None, fmt: ReasoningFormat |
 
 
 def thinking_phase(
-    end_ids: list[int], thinks: bool, budget: int | None, param: str
+    end_ids: list[int], thinks: bool, params: SamplingParams, param: str
 ) -> list[int] | None:
     """The end marker ids a request carries to the scheduler (None: no thinking phase).
-    `thinks`: its output begins in the thinking; a thinking_budget (`param` as the caller
-    spells it) without a thinking phase is a 400."""
+    `thinks`: its output begins in the thinking. Only a constraint or a thinking_budget needs
+    the phase (the scheduler watches every token of a thinking request); a thinking_budget
+    (`param` as the caller spells it) without a thinking phase is a 400."""
+    budget = params.thinking_budget
+    needed = budget is not None or params.constraint is not None or params.grammar is not None
     if thinks and end_ids:
-        return end_ids
+        return end_ids if needed else None
     if budget is not None:
         raise bad_request(
             f"{param} needs an output that begins in the thinking: a server started with "
