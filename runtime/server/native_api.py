@@ -115,7 +115,8 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
         asks = bool(obj.separate_reasoning) or budget is not None
         prompt_end = _prompt_end(tm, ids) if fmt and asks else ""
         thinks = fmt is not None and asks and fmt.starts_in_reasoning(prompt_end)
-        end_ids = thinking_phase(tm.reasoning_end_ids, thinks, sp, f"{where}.thinking_budget")
+        marker = tm.reasoning_end_ids if thinks else []
+        end_ids = thinking_phase(marker, thinks, sp, f"{where}.thinking_budget")
         reqs.append(
             tm.build_request(
                 ids,

@@ -216,7 +216,8 @@ def _chat_job(
     thinks = fmt is not None and fmt.starts_in_reasoning(
         prompt, thinking if isinstance(thinking, bool) else None
     )
-    end_ids = thinking_phase(tm.reasoning_end_ids, thinks, params, "thinking_budget")
+    marker = tm.reasoning_end_ids if thinks else []
+    end_ids = thinking_phase(marker, thinks, params, "thinking_budget")
     gen = tm.build_request(
         ids,
         params,
