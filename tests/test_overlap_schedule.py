@@ -154,6 +154,17 @@ def test_thinking_then_a_grammar_alike_under_both_schedules_and_without_drafts(
         assert any(o["text"].split(".", 1)[1][:1].isspace() for o in want)
 
 
+def test_each_sample_thinks_on_its_own(overlap):
+    """n > 1: every sample has its own phase (its own budget count and marker watch)."""
+    params = {"temperature": 0.9, "seed": 1, "n": 3, "max_new_tokens": 80, "regex": PROSE}
+    outs = overlap.generate(
+        "Once upon a time", {**params, "thinking_budget": 2}, reasoning_end_ids=[DOT]
+    )
+    for out in outs:
+        assert out["output_ids"][2] == DOT and DOT not in out["output_ids"][:2]
+        assert re.fullmatch(PROSE, out["text"].split(".", 1)[1].strip())
+
+
 @pytest.mark.parametrize("schedule", ["plain", "overlap"])
 def test_the_kv_of_verified_drafts_is_the_models(stories_dir, request, schedule):
     # Jump-forward feeds a draft behind the model's last token (under the overlap schedule, once
