@@ -27,6 +27,7 @@ import torch
 from weft.runtime.messages.common import GrammarReport
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.thinking import Thinking
 
 # NOTE: the scheduler names the requests it makes for an n > 1 request (its samples, the shared
 # prompt) by joining the caller's rid with this separator; a caller's rid may hold no control
@@ -95,6 +96,8 @@ class Req:
     grammar_future: Any = None
     grammar: Any = None  # weft.grammars.manager.RequestGrammar
     draft: list[int] = field(default_factory=list)  # forced tokens to verify (module docstring)
+    # the output begins in the thinking: its phase (the grammar holds the answer after it)
+    thinking: Thinking | None = None
     # logprobs: per prompt position from start_len, and per output token
     input_logprobs: list[tuple[float | None, int, list[tuple[float, int]]]] = field(
         default_factory=list
@@ -114,12 +117,16 @@ class Req:
         logprob = None
         if msg.logprob_start_len is not None:
             logprob = LogprobRequest(start_len=msg.logprob_start_len, top_k=msg.top_logprobs_num)
+        thinking = None
+        if msg.reasoning_end_ids:
+            thinking = Thinking(tuple(msg.reasoning_end_ids), msg.params.thinking_budget)
         return cls(
             rid=msg.rid,
             input_ids=msg.input_ids,
             params=msg.params,
             logprob=logprob,
             namespace=msg.namespace,
+            thinking=thinking,
         )
 
     def grammar_report(self) -> GrammarReport | None:

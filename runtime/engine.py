@@ -25,7 +25,7 @@ from weft.runtime.intake import Bounds, Intake, per_prompt
 from weft.runtime.loaders.source import resolve_source
 from weft.runtime.messages import tokenizer_to_scheduler as to_sched
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
-from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.sampling_params import RequestError, SamplingParams
 from weft.runtime.scheduler import build_scheduler
 
 logger = logging.getLogger("weft")
@@ -42,6 +42,10 @@ class RequestArgs(TypedDict, total=False):
     top_logprobs_num: int  # alternatives per position
     rid: str | list[str] | None  # the request's id (one per prompt of a batch)
     namespace: str  # prefix-cache namespace: no cache hit across namespaces
+    # the output begins in the thinking, which ends with these tokens (the model's reasoning
+    # end marker, e.g. Qwen3's </think> id): a constraint holds the answer after them, and
+    # sampling_params thinking_budget bounds the thinking (weft.runtime.thinking)
+    reasoning_end_ids: list[int] | None
 
 
 class Engine(EngineThread):
@@ -201,6 +205,14 @@ class Engine(EngineThread):
             if not explicit and cap is not None and sp.max_new_tokens > cap:
                 sp = dataclasses.replace(sp, max_new_tokens=cap)  # as the server: not refused
             sp.validate(intake.bounds.vocab_size, intake.bounds.limits)
+            end_ids = request.get("reasoning_end_ids")
+            if end_ids is not None:
+                end_ids = intake.check_ids(end_ids, "reasoning_end_ids")
+            if sp.thinking_budget is not None and not end_ids:
+                raise RequestError(
+                    "thinking_budget needs reasoning_end_ids (the output's thinking)",
+                    "thinking_budget",
+                )
             reqs.append(
                 intake.build(
                     ids,
@@ -211,6 +223,7 @@ class Engine(EngineThread):
                     rid=rid,
                     namespace=request.get("namespace", ""),
                     prompt_param="input_ids" if prompt is None else "prompt",
+                    reasoning_end_ids=end_ids,
                 )
             )
         return reqs, single

@@ -177,6 +177,7 @@ class Intake:
         namespace: str = "",
         prompt_param: str = "input_ids",
         max_tokens_param: str = "max_new_tokens",
+        reasoning_end_ids: list[int] | None = None,
     ) -> GenerateRequest:
         """The request for checked prompt ids and validated params: the checks that need the
         prompt's length (against the context and --max-prompt-tokens; an explicit max_new_tokens
@@ -229,6 +230,7 @@ class Intake:
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
             namespace=namespace,
+            reasoning_end_ids=reasoning_end_ids,
         )
 
 

@@ -85,6 +85,7 @@ RANGES: dict[str, Range] = {
     "n": Range(1, MAX_N, integer=True),
     "seed": Range(0, MAX_SEED, integer=True),  # (None: unseeded)
 }
+THINKING_BUDGET = Range(0, integer=True)  # (None: no limit)
 # Other APIs' names of SamplingParams fields (OpenAI's, SGLang's).
 ALIASES: dict[str, str] = {
     "max_tokens": "max_new_tokens",
@@ -174,6 +175,10 @@ class SamplingParams:
     structural_tag: str | None = None  # JSON text, see weft.grammars.spec
     # the constraint, parsed: by `validate` from the field above, or by an API that parsed it
     grammar: GrammarSpec | None = None
+    # with a reasoning parser, an output that begins in the thinking: at most this many tokens
+    # of thinking, then the end marker is forced (0: none). The server checks that the request
+    # thinks (weft.runtime.thinking); None: no limit.
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -256,6 +261,8 @@ class SamplingParams:
                 f"{name('max_new_tokens')} ({self.max_new_tokens})",
                 name("min_new_tokens"),
             )
+        if self.thinking_budget is not None:
+            THINKING_BUDGET.check(name("thinking_budget"), self.thinking_budget)
         self._validate_stops(vocab_size, name("stop"), name("stop_token_ids"))
         self._validate_constraint(limits, name)
         for flag in _BOOL_FIELDS:

@@ -45,6 +45,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "no_stop_trim": st.booleans(),
     "n": st.integers(1, MAX_N),
     "seed": st.none() | st.integers(0, MAX_SEED),
+    "thinking_budget": st.none() | st.integers(0, 1 << 20),
     # at most one constraint: drawn once for all four fields (see valid_kwargs)
     **{name: st.none() for name in CONSTRAINTS},
 }

@@ -83,9 +83,12 @@ def test_logprobs_and_seeded_samples(plain, overlap):
 def test_retraction_under_a_tiny_pool(stories_dir, plain):
     prompts = _prompts(8)
     greedy = {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
-    want = plain.generate(input_ids=prompts, sampling_params=greedy)
+    # half of them think (up to stories' "." or a budget): the phase survives a retraction
+    params = [{**greedy, "thinking_budget": 40} if i % 2 else greedy for i in range(8)]
+    kw = {"reasoning_end_ids": [DOT]}
+    want = plain.generate(input_ids=prompts, sampling_params=params, **kw)
     tiny = _overlapped(make_engine(stories_dir, max_total_tokens=400, enable_overlap_schedule=True))
-    got = tiny.generate(input_ids=prompts, sampling_params=greedy)
+    got = tiny.generate(input_ids=prompts, sampling_params=params, **kw)
     assert tiny.scheduler.num_retractions > 0
     _same(got, want)
     tiny.check_integrity()
@@ -106,6 +109,60 @@ def test_constrained_outputs_match_without_jump_forward(plain, overlap):
 
 
 PROSE = r"[A-Z][a-z]+ was happy\. One day, (he|she) went to the park with (his|her) mom\. The end\."
+DOT = 426  # stories' "." written after a word: the end of the thinking in the tests below
+SHE = 338  # "▁She": with DOT, a two-token marker the model writes too
+
+
+def _marker_at(ids: list[int], marker: list[int]) -> int:
+    return next(i for i in range(len(ids)) if ids[i : i + len(marker)] == marker)
+
+
+@pytest.mark.parametrize(
+    ("marker", "budgets"),
+    [
+        ([DOT], [None, 3, 0, 1, None]),
+        # "The sun" writes ". It" at 16 (a false start of ". She") before its budget forces
+        ([DOT, SHE], [None, None, 0, 1, 20]),
+    ],
+    ids=["one-token", "two-token"],
+)
+def test_thinking_then_a_grammar_alike_under_both_schedules_and_without_drafts(
+    plain, overlap, marker, budgets
+):
+    """The thinking (free up to the marker the model writes, or the one a budget forces)
+    switches to the grammar, whose drafts then run: the same outputs under either schedule, and
+    with jump-forward off."""
+    params = [
+        {"temperature": 0, "max_new_tokens": 80, "regex": PROSE, "thinking_budget": b}
+        for b in budgets
+    ]
+    kw = {"reasoning_end_ids": marker}
+    want = plain.generate(PROMPTS, params, **kw)
+    _same(overlap.generate(PROMPTS, params, **kw), want)
+    with jump_forward_off(plain, overlap):
+        _same(plain.generate(PROMPTS, params, **kw), want)
+        _same(overlap.generate(PROMPTS, params, **kw), want)
+    for out, budget in zip(want, budgets, strict=True):
+        ids = out["output_ids"]
+        at = _marker_at(ids, marker)
+        if budget is not None:
+            assert at == budget
+        answer = plain.tokenizer.decode(ids[at + len(marker) :], skip_special_tokens=True)
+        assert re.fullmatch(PROSE, answer.strip()), answer
+        assert out["meta_info"]["jump_forward_tokens"] > 0
+    if marker == [DOT]:  # stories writes " \n" after "." (and "\n" after ". "): the gap's
+        assert any(o["text"].split(".", 1)[1][:1].isspace() for o in want)
+
+
+def test_each_sample_thinks_on_its_own(overlap):
+    """n > 1: every sample has its own phase (its own budget count and marker watch)."""
+    params = {"temperature": 0.9, "seed": 1, "n": 3, "max_new_tokens": 80, "regex": PROSE}
+    outs = overlap.generate(
+        "Once upon a time", {**params, "thinking_budget": 2}, reasoning_end_ids=[DOT]
+    )
+    for out in outs:
+        assert out["output_ids"][2] == DOT and DOT not in out["output_ids"][:2]
+        assert re.fullmatch(PROSE, out["text"].split(".", 1)[1].strip())
 
 
 @pytest.mark.parametrize("schedule", ["plain", "overlap"])

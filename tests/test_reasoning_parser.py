@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.server.errors import ApiError
 from weft.runtime.server.reasoning import (
     ReasoningParser,
+    marker_ids,
     reasoning_format,
     split_reasoning,
+    thinking_phase,
 )
 
 QWEN3 = reasoning_format("qwen3")
@@ -133,3 +137,26 @@ def test_where_an_output_starts():
     assert generic.starts_in_reasoning("q") is False
     assert generic.starts_in_reasoning("q [[\n") is True
     assert reasoning_format("generic", "", ".").starts_in_reasoning("Once.") is False
+
+
+def test_the_marker_is_tokenized_as_written_mid_text(stories_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stories_dir)
+    dot = reasoning_format("generic", None, ".")
+    # sentencepiece starts a text with a word boundary ("▁" "."): not how "." follows a word
+    assert tokenizer.encode(".", add_special_tokens=False) == [410, 426]
+    assert marker_ids(tokenizer, dot) == [426]
+    assert marker_ids(None, dot) == [] and marker_ids(tokenizer, None) == []
+
+
+def test_only_a_constraint_or_a_budget_takes_the_thinking_phase():
+    plain, regex = SamplingParams(), SamplingParams(regex="a")
+    budget = SamplingParams(thinking_budget=0)
+    assert thinking_phase([7], True, plain, "thinking_budget") is None
+    assert thinking_phase([7], True, regex, "thinking_budget") == [7]
+    assert thinking_phase([7], True, budget, "thinking_budget") == [7]
+    assert thinking_phase([7], False, regex, "thinking_budget") is None  # begins in the answer
+    with pytest.raises(ApiError) as err:
+        thinking_phase([7], False, budget, "sampling_params.thinking_budget")
+    assert err.value.param == "sampling_params.thinking_budget"

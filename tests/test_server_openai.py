@@ -187,6 +187,11 @@ def test_chat_with_a_template_given_on_the_command_line(client):
             max_tokens=1,
             extra_body={"separate_reasoning": True},
         )
+    with pytest.raises(openai.BadRequestError, match="--reasoning-parser") as err:
+        client.chat.completions.create(
+            model="stories", messages=messages, max_tokens=1, extra_body={"thinking_budget": 4}
+        )
+    assert err.value.body["param"] == "thinking_budget"
     # the rendered prompt: BOS + "user: Once upon a time\n"
     plain = client.completions.create(
         model="stories", prompt="user: Once upon a time\n", max_tokens=1

@@ -27,6 +27,7 @@ TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %}The end.{% endif %}"
 )
 MESSAGES = [{"role": "user", "content": "Once upon a time"}]
+YN = {"enum": ["yes", "no"]}  # (JSON without whitespace to spend: stories loves " \n")
 GREEDY = {"model": "stories", "messages": MESSAGES, "max_tokens": 48, "temperature": 0}
 
 
@@ -126,32 +127,44 @@ def test_native_generate_separates_reasoning(stories):
             assert {e["reasoning_text"] for e in events[:-1]} <= {"", thought}
 
 
-def test_a_constraint_with_the_parser_is_refused(client, stories):
-    for extra, param in [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"extra_body": {"regex": "(yes|no)"}}, "regex"),
-    ]:
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(**GREEDY, **extra)
-        body = err.value.body
-        assert "not supported yet with --reasoning-parser generic" in body["message"]
-        assert body["param"] == param
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(**GREEDY, tools=[tool], tool_choice="required")
-    assert err.value.body["param"] == "tool_choice"
-    # tool_choice auto leaves the text free until a call begins: the thinking stays free
-    auto = client.chat.completions.create(**GREEDY, tools=[tool])
-    assert auto.choices[0].message.reasoning_content
-
-    sampling = {"temperature": 0, "max_new_tokens": 4, "regex": "(yes|no)"}
-    r = stories.post(
-        "/generate", {"text": "Once", "sampling_params": sampling, "separate_reasoning": True}
+def test_a_constraint_holds_the_answer_after_the_marker_the_model_writes(client, stories):
+    """The thinking is free (the unconstrained output's first sentence, as the model writes
+    it); the "." it ends with switches to the constraint, which holds the answer alone."""
+    thought, _ = expected_split(
+        client.chat.completions.create(**GREEDY, extra_body={"separate_reasoning": False})
+        .choices[0]
+        .message.content
     )
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "sampling_params.regex"
-    # without separate_reasoning a native request is not split: the constraint applies as asked
-    assert stories.generate({"text": "Once", "sampling_params": sampling})["text"] in ("yes", "no")
+    for extra in [
+        {"extra_body": {"regex": "(yes|no)"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": YN}}},
+    ]:
+        out = client.chat.completions.create(**{**GREEDY, **extra})
+        message = out.choices[0].message
+        assert message.reasoning_content == thought, extra
+        assert message.content in ("yes", "no", '"yes"', '"no"')
+    sampling = {"temperature": 0, "max_new_tokens": 48, "regex": "(yes|no)"}
+    body = {"text": "Once upon a time", "sampling_params": sampling}
+    raw = stories.generate({**body, "sampling_params": {**sampling, "regex": None}})
+    split = stories.generate({**body, "separate_reasoning": True})
+    assert split["reasoning_text"] == expected_split(raw["text"])[0]
+    assert split["text"] in ("yes", "no")
+    # without separate_reasoning a native request is not split: the constraint holds it all
+    assert stories.generate(body)["text"] in ("yes", "no")
+
+
+def test_thinking_budget_needs_a_thinking_phase(client, stories):
+    budget = client.chat.completions.create(**GREEDY, extra_body={"thinking_budget": 3})
+    message = budget.choices[0].message
+    assert message.reasoning_content and len(message.reasoning_content.split()) <= 3
+    off = {"chat_template_kwargs": {"enable_thinking": False}, "thinking_budget": 3}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**GREEDY, extra_body=off)
+    assert err.value.body["param"] == "thinking_budget"
+    r = stories.post("/v1/completions", {"prompt": "Once", "thinking_budget": 2})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "thinking_budget")
+    r = stories.post("/generate", {"text": "Once", "sampling_params": {"thinking_budget": -1}})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "sampling_params.thinking_budget")
 
 
 def test_thinking_off_makes_the_output_the_answer(client):
@@ -193,6 +206,8 @@ def test_openapi_shows_the_fields(stories):
     chat = schemas["ChatCompletionRequest"]["properties"]
     for name in ("chat_template_kwargs", "separate_reasoning", "stream_reasoning"):
         assert name in chat
+    assert chat["thinking_budget"]["anyOf"][0]["minimum"] == 0
+    assert "thinking_budget" in schemas["SamplingParams"]["properties"]
     assert "separate_reasoning" in schemas["GenerateReqInput"]["properties"]
     assert "reasoning_text" in schemas["GenerateOutput"]["properties"]
 

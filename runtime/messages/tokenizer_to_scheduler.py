@@ -16,6 +16,10 @@ class GenerateRequest(msgspec.Struct, array_like=True):
     logprob_start_len: int | None = None  # None: no logprobs; -1: output tokens only
     top_logprobs_num: int = 0
     namespace: str = ""
+    # the output begins in the thinking, which ends with these tokens (the reasoning end
+    # marker): the constraint holds the answer after them, params.thinking_budget counts the
+    # tokens before them (weft.runtime.thinking). None: no thinking phase.
+    reasoning_end_ids: list[int] | None = None
 
 
 class Generate(msgspec.Struct, tag="generate"):

@@ -73,6 +73,7 @@ class Arrivals:
             output_ids=[],
             input_logprobs=[],
             output_logprobs=[],  # NOTE: replace() would share the lists
+            thinking=req.thinking.fresh() if req.thinking is not None else None,
         )
 
     def _start(self, req: Req) -> None:

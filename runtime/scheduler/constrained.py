@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from weft.grammars.bitmask import allocate_bitmask
+from weft.grammars.bitmask import allocate_bitmask, set_bits_rows
 from weft.grammars.manager import Compiled, GrammarManager, RequestGrammar
 from weft.grammars.vocab import TokenVocab
 from weft.runtime.config import EngineConfig
@@ -37,6 +37,20 @@ MAX_DRAFT_TOKENS = 16
 Masked = tuple[torch.Tensor, list[Req], tuple[torch.Tensor, list[int]] | None, list[Req]]
 
 
+def _masked(req: Req) -> bool:
+    """Whether the request's row gets a mask: its grammar once past the thinking, or the end
+    marker forced at the end of the thinking budget. A thinking row is free: no row at all
+    (the cheapest for the batched fill, and the sampler skips rows it does not constrain)."""
+    thinking = req.thinking
+    if thinking is None or thinking.ended:
+        return req.grammar is not None
+    return thinking.forced() is not None
+
+
+def _forced(req: Req) -> int | None:
+    return req.thinking.forced() if req.thinking is not None else None
+
+
 class Constrained:
     def __init__(
         self,
@@ -52,6 +66,8 @@ class Constrained:
         self.end_list = sorted(output.end_ids)  # the grammar backends take them as a list
         self._grammars: GrammarManager | None = None
         self._bitmask: torch.Tensor | None = None  # CPU rows filled per step (pinned on CUDA)
+        self._whitespace_ids: frozenset[int] | None = None  # built on the first gap
+        self._whitespace_row: torch.Tensor | None = None
         self.compile_s = BucketCounts(GRAMMAR_COMPILE_BUCKETS)  # per constrained request
         self.mask_s = BucketCounts(GRAMMAR_MASK_BUCKETS)  # per step with constrained rows
 
@@ -150,7 +166,7 @@ class Constrained:
 
         A drafting request has a row per draft token after its first: masked as its grammar
         stands after that token. A draft the grammar does not take whole is cut in place."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = [i for i, r in enumerate(reqs) if _masked(r)]
         if not rows:
             return logits, reqs, None, []
         vocab_size = self.runner.model_config.vocab_size
@@ -162,11 +178,14 @@ class Constrained:
         bitmask = self._bitmask[: len(reqs)]
         start = time.perf_counter()
         firsts = [i for i in rows if i == 0 or reqs[i - 1] is not reqs[i]]
+        forced = [i for i in firsts if _forced(reqs[i]) is not None]
+        firsts = [i for i in firsts if i not in forced]
         failed: list[Req] = []
         try:
             self.grammars.fill([reqs[i].grammar for i in firsts], bitmask, firsts)
         except Exception:  # NOTE: a backend's bug: find the rows that raise, one by one
             failed = self._fill_rows_apart(reqs, firsts, bitmask)
+        self._fill_thinking(reqs, firsts, forced, bitmask)
         for i in firsts:
             draft = drafts.get(reqs[i])
             if draft and reqs[i] not in failed:
@@ -180,11 +199,48 @@ class Constrained:
             logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
             bitmask = bitmask[keep]
             reqs = [reqs[i] for i in keep]
-            rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+            rows = [i for i, r in enumerate(reqs) if _masked(r)]
             if not rows:
                 return logits, reqs, None, failed
         self.mask_s.observe(time.perf_counter() - start)
         return logits, reqs, (bitmask.to(self.runner.device, non_blocking=True), rows), failed
+
+    def _fill_thinking(
+        self, reqs: list[Req], grammar_rows: list[int], forced: list[int], bitmask: torch.Tensor
+    ) -> None:
+        """The thinking phase's rows: a request past its thinking budget may sample only the
+        end marker's next token; one in the gap after the marker may also write whitespace
+        (weft.runtime.thinking)."""
+        if forced:
+            bitmask[forced] = 0
+            for i in forced:
+                token = _forced(reqs[i])
+                assert token is not None
+                set_bits_rows(bitmask, [i], [token], [True])
+        gap = [i for i in grammar_rows if (t := reqs[i].thinking) is not None and t.in_gap]
+        if gap:
+            bitmask[gap] |= self.whitespace_row
+
+    @property
+    def whitespace_row(self) -> torch.Tensor:
+        """A bitmask row of the whitespace-only tokens (the gap after a thinking's end)."""
+        if self._whitespace_row is None:
+            row = allocate_bitmask(1, self.runner.model_config.vocab_size)
+            row.zero_()
+            set_bits_rows(row, [0], sorted(self.whitespace_ids), [True])
+            self._whitespace_row = row[0]
+        return self._whitespace_row
+
+    @property
+    def whitespace_ids(self) -> frozenset[int]:
+        if self._whitespace_ids is None:
+            texts = self.grammars.vocab.token_bytes
+            self._whitespace_ids = frozenset(
+                i
+                for i, b in enumerate(texts)
+                if b and not b.strip() and i not in self.output.end_ids
+            )
+        return self._whitespace_ids
 
     def _fill_rows_apart(
         self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor
@@ -227,19 +283,41 @@ class Constrained:
             self._failed(req, exc)
             return ids[taken]
         grammar.jump_forward_tokens += taken
+        if taken and req.thinking is not None:
+            req.thinking.close_gap()  # the draft is the grammar's: the answer has begun
         for tid in draft[:taken]:
             self.output.append_token(req, tid, None, None)
             if req.finished:
                 break
         return ids[taken]
 
+    def think(
+        self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None
+    ) -> None:
+        """A token of the thinking: output as it is, watched for the end marker. The marker's
+        last token starts the answer: the grammar (if any) from its initial state, and its
+        draft of the tokens it forces first."""
+        thinking = req.thinking
+        assert thinking is not None and thinking.free
+        self.output.append_token(req, token, logprob, top)
+        if req.finished or not thinking.observe(token) or req.grammar is None:
+            return
+        self._draft(req)
+
     def append(
         self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None
     ) -> None:
         """The model's token through the grammar (a refused one ends the request), then the
-        grammar's draft of the tokens it forces next."""
+        grammar's draft of the tokens it forces next. Whitespace in the gap after a thinking's
+        end is output without the grammar (weft.runtime.thinking)."""
         grammar: RequestGrammar = req.grammar
         req.draft = []
+        thinking = req.thinking
+        if thinking is not None and token >= 0 and thinking.take_gap(token in self.whitespace_ids):
+            self.output.append_token(req, token, logprob, top)
+            if not req.finished:
+                self._draft(req)
+            return
         try:
             accepted = token >= 0 and grammar.accept(token)
         except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
@@ -253,10 +331,16 @@ class Constrained:
         self.output.append_token(req, token, logprob, top)
         if grammar.ended and not req.finished:  # ignore_eos cannot outlast the grammar
             self.output.finish(req, FinishReason("stop", matched=token))
-        if req.finished or not self._drafts_for(req):
+        if not req.finished:
+            self._draft(req)
+
+    def _draft(self, req: Req) -> None:
+        """The grammar's draft of the tokens it forces next, where this request drafts."""
+        req.draft = []
+        if not self._drafts_for(req):
             return
         try:
-            req.draft = grammar.draft(self._draft_limit(req))
+            req.draft = req.grammar.draft(self._draft_limit(req))
         except Exception as exc:
             self._failed(req, exc)
 

@@ -99,6 +99,10 @@ def read_tokens(flight: InFlight, constrained: Constrained) -> list[Req]:
             token = constrained.take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
         if draft is not None and req.finished:
             pass  # it ended among the draft tokens it kept
+        elif req.thinking is not None and req.thinking.free:
+            # NOTE: the marker's last token switches the phase here, before the next step's
+            # masks are filled (`Scheduler._run` reads back before it launches the sampling)
+            constrained.think(req, token, logprob, top)
         elif req.grammar is None:
             constrained.output.append_token(req, token, logprob, top)
         else:

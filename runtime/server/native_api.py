@@ -31,7 +31,12 @@ from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.results import sample_result
 from weft.runtime.server.errors import ApiError, bad_request, decode_body, not_supported
 from weft.runtime.server.middleware import is_admin, tenant_of
-from weft.runtime.server.reasoning import ReasoningParser, ReasoningPlan, plan_reasoning
+from weft.runtime.server.reasoning import (
+    ReasoningParser,
+    ReasoningPlan,
+    plan_reasoning,
+    thinking_phase,
+)
 from weft.runtime.server.request_state import ReqState, refused, request_error
 from weft.runtime.server.responses import SSE_DONE, client_gone, json_response, sse
 from weft.runtime.server.sglang_params import parse_sampling_params
@@ -105,6 +110,13 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
         if want[i] not in (None, True, False):
             raise bad_request("return_logprob must be a bool", "return_logprob")
         start = (-1 if starts[i] is None else starts[i]) if want[i] else None
+        # the prompt's end is a decode per prompt: only where the split or a budget asks for it
+        budget = sp.thinking_budget
+        asks = bool(obj.separate_reasoning) or budget is not None
+        prompt_end = _prompt_end(tm, ids) if fmt and asks else ""
+        thinks = fmt is not None and asks and fmt.starts_in_reasoning(prompt_end)
+        marker = tm.reasoning_end_ids if thinks else []
+        end_ids = thinking_phase(marker, thinks, sp, f"{where}.thinking_budget")
         reqs.append(
             tm.build_request(
                 ids,
@@ -116,13 +128,12 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
                 prompt_param="input_ids" if obj.text is None else "text",
                 cache_salt=obj.cache_salt,
                 tenant=tenant,
+                reasoning_end_ids=end_ids,
             )
         )
         rid = reqs[-1].rid
         if sp.constraint is not None:
             constraint_params[rid] = f"{where}.{sp.constraint[0]}"
-        # the prompt's end is a decode per prompt: only where the split is asked for
-        prompt_end = _prompt_end(tm, ids) if fmt and obj.separate_reasoning else ""
         plan = plan_reasoning(
             fmt,
             prompt_end,
@@ -132,8 +143,6 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
         )
         if plan is not None:
             reasoning[rid] = plan
-            if sp.constraint is not None:
-                plan.check_constraint(sp.constraint[0], constraint_params[rid])
     return _Parsed(
         reqs,
         single,

@@ -38,7 +38,7 @@ from weft.runtime.server.openai_protocol import (
     CompletionRequest,
     _SamplingFields,
 )
-from weft.runtime.server.reasoning import plan_reasoning
+from weft.runtime.server.reasoning import plan_reasoning, thinking_phase
 from weft.runtime.server.responses import client_gone, json_response
 from weft.runtime.server.sglang_params import check_constraint
 from weft.runtime.server.tokenizer_manager import TokenizerManager
@@ -210,15 +210,15 @@ def _chat_job(
         max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     params, explicit = _sampling(req, tm, len(ids), max_tokens, None, extra, max_tokens_param)
     param = "tools" if plan else "response_format" if json_schema else _constraint_param(params)
-    # NOTE: tool_choice auto leaves text free until a call's trigger: the thinking stays free
-    # (a call written inside it is thinking, never parsed); required or a named function
-    # constrain the output from its first token.
-    if reasoning is not None and param is not None:
-        if plan is None:
-            reasoning.check_constraint(param, param)
-        elif plan.choice.mode != "auto":
-            named = "required" if plan.choice.mode == "required" else "naming a function"
-            reasoning.check_constraint(f"tool_choice {named}", "tool_choice")
+    # NOTE: the thinking is free (a tool call written inside it is thinking, never parsed); the
+    # constraint (the tools' structural tag too) holds the answer after the end marker. The
+    # phase does not depend on separate_reasoning, which only chooses how the text comes back.
+    fmt = tm.config.reasoning_format
+    thinks = fmt is not None and fmt.starts_in_reasoning(
+        prompt, thinking if isinstance(thinking, bool) else None
+    )
+    marker = tm.reasoning_end_ids if thinks else []
+    end_ids = thinking_phase(marker, thinks, params, "thinking_budget")
     gen = tm.build_request(
         ids,
         params,
@@ -230,6 +230,7 @@ def _chat_job(
         max_tokens_param=max_tokens_param,
         cache_salt=req.cache_salt,
         tenant=tenant,
+        reasoning_end_ids=end_ids,
     )
     # NOTE: submitted after every spec check: parse_off_loop may run this twice
     states = tm.submit([gen], stream=bool(req.stream), api="openai.chat", tenant=tenant)
@@ -284,6 +285,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager, tenant: str | 
         params, explicit = _sampling(
             req, tm, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
+        thinking_phase([], False, params, "thinking_budget")  # no split here
         gens.append(
             tm.build_request(
                 ids,

@@ -60,6 +60,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     ebnf: str | None = None
     rid: str | None = None
     cache_salt: str | None = None  # prefix-cache namespace (as vLLM): no hit across salts
+    # SGLang's (its custom param): with --reasoning-parser, tokens of thinking before the end
+    # marker is forced
+    thinking_budget: int | None = None
 
 
 class RenderChatRequest(msgspec.Struct, kw_only=True):

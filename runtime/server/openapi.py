@@ -31,6 +31,7 @@ from weft.runtime.sampling_params import (
     MAX_TOP_LOGPROBS_NUM,
     RANGES,
     SGLANG_EXTRAS,
+    THINKING_BUDGET,
     SamplingParams,
 )
 from weft.runtime.server.chat import RESERVED_KWARGS
@@ -56,6 +57,7 @@ TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minIt
 _RANGES: dict[str, dict[str, Any]] = {
     **{name: bounds.schema() for name, bounds in RANGES.items()},
     **{alias: RANGES[name].schema() for alias, name in ALIASES.items()},
+    "thinking_budget": THINKING_BUDGET.schema(),
     "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
     "top_logprobs_num": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS_NUM},
     "logprob_start_len": {"minimum": -1},

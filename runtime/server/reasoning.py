@@ -21,12 +21,24 @@ cut it off). After the end marker everything is answer, markers included.
 
 Markers may arrive split across deltas: text that may still begin a marker is held back until
 it is decided or the output ends. The whole-text split is the stream's, fed at once.
+
+Generation follows the same split (`thinking_phase`): a request whose output begins in the
+thinking carries the end marker's token ids to the scheduler, where a constraint (json_schema,
+regex, response_format, tool_choice required ...) holds only the answer after the marker and
+thinking_budget bounds the thinking (weft.runtime.thinking). A chat request has the phase
+where the rendered prompt leaves the thinking open (whatever separate_reasoning says: it only
+chooses how the text comes back); a native /generate one only where it asks for the split
+(separate_reasoning) or a thinking_budget: otherwise a native constraint holds the whole output,
+as it always did. A request with neither a constraint nor a budget goes without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerBase
+
+from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.errors import bad_request
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "generic")
@@ -193,19 +205,6 @@ class ReasoningPlan:
     def split(self, text: str) -> tuple[str, str]:
         return split_reasoning(self.format, text, self.in_reasoning)
 
-    def check_constraint(self, given: str | None, param: str) -> None:
-        """A constraint (`given` names it) would apply from the first token, to the thinking
-        too: refused (a 400 naming `param`) unless the output begins in the answer."""
-        if given is None or not self.in_reasoning:
-            return
-        raise bad_request(
-            f"{given} is not supported yet with --reasoning-parser {self.format.name}: the "
-            "constraint would apply to the thinking too (a chat template that closes the "
-            "thinking block in the prompt, e.g. Qwen3's with chat_template_kwargs "
-            '{"enable_thinking": false}, makes the output the answer alone)',
-            param,
-        )
-
 
 def plan_reasoning(
     fmt: ReasoningFormat | None,
@@ -230,3 +229,40 @@ def plan_reasoning(
         )
     in_reasoning = fmt.starts_in_reasoning(prompt, thinking)
     return ReasoningPlan(fmt, in_reasoning, stream_reasoning is not False)
+
+
+def marker_ids(tokenizer: PreTrainedTokenizerBase | None, fmt: ReasoningFormat | None) -> list[int]:
+    """The end marker's token ids as the model writes it mid-text ([]: no parser or tokenizer).
+
+    NOTE: tokenized behind a newline, then the newline's tokens cut off: a sentencepiece
+    tokenizer encodes a text's start with a word-boundary prefix ("▁.") that a marker written
+    after other text does not have. Qwen3's `</think>` is one special token either way."""
+    if fmt is None or tokenizer is None:
+        return []
+    base = tokenizer.encode("\n", add_special_tokens=False)
+    ids = tokenizer.encode("\n" + fmt.end, add_special_tokens=False)
+    if ids[: len(base)] == base and len(ids) > len(base):
+        return list(ids[len(base) :])
+    return list(tokenizer.encode(fmt.end, add_special_tokens=False))
+
+
+def thinking_phase(
+    end_ids: list[int], thinks: bool, params: SamplingParams, param: str
+) -> list[int] | None:
+    """The end marker ids a request carries to the scheduler (None: no thinking phase).
+    `thinks`: its output begins in the thinking. Only a constraint or a thinking_budget needs
+    the phase (the scheduler watches every token of a thinking request); a thinking_budget
+    (`param` as the caller spells it) without a thinking phase is a 400."""
+    budget = params.thinking_budget
+    needed = budget is not None or params.constraint is not None or params.grammar is not None
+    if thinks and end_ids:
+        return end_ids if needed else None
+    if budget is not None:
+        raise bad_request(
+            f"{param} needs an output that begins in the thinking: a server started with "
+            "--reasoning-parser, and a prompt that leaves the thinking open (not Qwen3's "
+            'chat_template_kwargs {"enable_thinking": false}; on /generate, with '
+            "separate_reasoning or the budget, a prompt the parser reads as thinking)",
+            param,
+        )
+    return None

@@ -37,6 +37,7 @@ from weft.runtime.server.errors import ApiError, bad_request
 from weft.runtime.server.liveness import HEARTBEAT_TIMEOUT_S, SchedulerClock
 from weft.runtime.server.metrics import ServerMetrics
 from weft.runtime.server.middleware import cache_namespace
+from weft.runtime.server.reasoning import marker_ids
 from weft.runtime.server.request_log import RequestLog, request_record
 from weft.runtime.server.request_state import ReqState, Sample, Totals
 from weft.runtime.server_config import ServerConfig
@@ -83,6 +84,8 @@ class TokenizerManager:
         self._queries: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._query_ids = itertools.count(1)
         self.token_text = TokenTexts(tokenizer)  # a token's text, for logprobs
+        # the reasoning end marker's ids, which a thinking request carries to the scheduler
+        self.reasoning_end_ids = marker_ids(tokenizer, config.reasoning_format)
         self._recv_task: asyncio.Task[None] | None = None
         bounds = Bounds(
             vocab_size=info.vocab_size,
