@@ -104,7 +104,7 @@ def assert_rounding_close(
     assert got.dtype == ref.dtype and got.shape == ref.shape
     assert torch.isfinite(got).all(), "output has NaN/inf (unwritten elements?)"
     if got.dtype == torch.float32:
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=max(atol, 1e-6))
         return
     truncating = INTERPRETED and got.dtype == torch.bfloat16
     if truncating:
