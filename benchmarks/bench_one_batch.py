@@ -124,6 +124,7 @@ def parse_args() -> argparse.Namespace:
     engine.add_argument("--attention-backend", default=None)
     engine.add_argument("--chunked-prefill-size", type=int, default=None)
     engine.add_argument("--max-total-tokens", type=int, default=None)
+    engine.add_argument("--context-length", type=int, default=None, help="default: the model's")
     engine.add_argument(
         "--max-running-requests", type=int, default=None, help="default: raised to the batch"
     )
@@ -162,6 +163,7 @@ def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
         "attention_backend",
         "chunked_prefill_size",
         "max_total_tokens",
+        "context_length",
         "mem_fraction_static",
         "num_threads",
     )
