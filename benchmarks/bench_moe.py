@@ -30,7 +30,7 @@ from weft.kernels.fused_moe import MoeTiles, default_tiles, fused_moe
 from weft.kernels.fused_moe_ref import route_topk
 from weft.runtime.models.layers import linear
 
-from common import copy_bandwidth, describe_device
+from common import copy_bandwidth, cuda_graph_ms, describe_device
 
 REPLAYS = 50
 SWEEP = [
@@ -70,30 +70,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also time other tile choices")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
-
-
-def graph_ms(fn: Callable[[], object]) -> float:
-    """Median time of one replay of a CUDA graph of `fn` (ms)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # Triton compiles and cuBLAS picks its kernels outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def moe_step(
@@ -170,8 +146,8 @@ def main() -> None:
     for batch in args.batch_sizes:
         x = torch.randn(batch, h, device=dev, dtype=dtype)
         tiles = default_tiles(batch, k, e)
-        moe_us = graph_ms(moe_step(moe, x, args, tiles)) * 1e3 / per
-        dense_us = graph_ms(dense_step(dense, x)) * 1e3 / per
+        moe_us = cuda_graph_ms(moe_step(moe, x, args, tiles), REPLAYS) * 1e3 / per
+        dense_us = cuda_graph_ms(dense_step(dense, x), REPLAYS) * 1e3 / per
         read, distinct = bytes_read(moe, x, k)
         roof_us = read / per / (copy_gb_s * 1e9) * 1e6
         tile_text = (
@@ -188,7 +164,9 @@ def main() -> None:
             results = []
             for t in SWEEP:
                 try:
-                    results.append((graph_ms(moe_step(moe, x, args, t)) * 1e3 / per, t))
+                    results.append(
+                        (cuda_graph_ms(moe_step(moe, x, args, t), REPLAYS) * 1e3 / per, t)
+                    )
                 except Exception as exc:  # a tile the device cannot run (shared memory)
                     print(f"      sweep {t}: failed ({type(exc).__name__})", flush=True)
             for us, t in sorted(results, key=lambda r: r[0])[:3]:

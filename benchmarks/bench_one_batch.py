@@ -49,6 +49,7 @@ from weft.runtime.sampling_params import SamplingParams
 
 from common import (
     copy_bandwidth,
+    cuda_graph_ms,
     decode_weight_bytes,
     describe_device,
     expected_experts,
@@ -262,27 +263,7 @@ def gemv_floor_ms(weights: list[tuple[torch.Tensor, int]], batch: int, fn: Any =
         for w, rows in weights:
             fn(inputs[w.shape[1]][:rows], w)
 
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # cuBLAS picks its kernels and sets up its workspace outside capture
-            run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    times = []
-    for _ in range(GRAPH_REPLAYS):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times)
+    return cuda_graph_ms(run, GRAPH_REPLAYS)
 
 
 def prompt_lo(vocab: int) -> int:

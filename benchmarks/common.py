@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import platform
 import random
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -85,3 +87,30 @@ def shared_prefix_prompts(
     systems = random_prompts(groups, system_len, vocab, seed)
     questions = random_prompts(groups * per_group, question_len, vocab, seed + 1)
     return [systems[i // per_group] + q for i, q in enumerate(questions)]
+
+
+def cuda_graph_ms(fn: Callable[[], object], replays: int, warmups: int = 3) -> float:
+    """Median time of one replay of a CUDA graph of `fn` (ms). The warm-up calls run on a side
+    stream before the capture: Triton compiles and cuBLAS picks its kernels and sets up its
+    workspace there, never inside the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times)
