@@ -74,6 +74,9 @@ class RowLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    # Gemma: the scale is 1 + weight, applied in float32 before the cast back (GemmaRMSNorm)
+    unit_offset = False
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
@@ -87,11 +90,13 @@ class RMSNorm(nn.Module):
         if fused:
             from weft.kernels.rmsnorm import rmsnorm
 
-            return rmsnorm(x, self.weight, self.eps, residual)
+            return rmsnorm(x, self.weight, self.eps, residual, unit_offset=self.unit_offset)
         if residual is not None:
             x = x + residual
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed, x
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype), x
+        return self.weight * normed.to(x.dtype), x
 
     def per_head(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """x [T, heads, head_dim] (a strided view is fine) -> each head normed, a new tensor of
@@ -104,23 +109,11 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: norm(x) * (1 + weight), the product taken in float32 before the cast back
     (Llama casts first, then multiplies by the weight itself). Checkpoints store weight - 1
-    (zero-initialised), so the weight alone is not the scale.
-
-    NOTE: fused: the Triton RMSNorm's unit_offset variant; without that flag it would scale by
-    the weight itself (x * w where Gemma means x * (1 + w)).
+    (zero-initialised), so the weight alone is not the scale; fused: the Triton RMSNorm's
+    unit_offset variant.
     """
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if fused:
-            from weft.kernels.rmsnorm import rmsnorm
-
-            return rmsnorm(x, self.weight, self.eps, residual, unit_offset=True)
-        if residual is not None:
-            x = x + residual
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype), x
+    unit_offset = True
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
