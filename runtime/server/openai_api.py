@@ -195,13 +195,15 @@ def _chat_job(
     top = _logprob_settings(req)
     kwargs = check_template_kwargs(req.chat_template_kwargs)
     prompt = chat.render(req.messages, plan.tools if plan is not None else None, True, kwargs)
-    thinking = kwargs.get("enable_thinking")
+    enable = kwargs.get("enable_thinking")
+    thinking = enable if isinstance(enable, bool) else None
+    fmt = tm.config.reasoning_format
     reasoning = plan_reasoning(
-        tm.config.reasoning_format,
+        fmt,
         prompt,
         separate=req.separate_reasoning,
         stream_reasoning=req.stream_reasoning,
-        thinking=thinking if isinstance(thinking, bool) else None,
+        thinking=thinking,
     )
     # NOTE: the rendered template carries its own BOS (if any): add no special tokens.
     ids = tm.tokenize(prompt, "messages", add_special_tokens=False)
@@ -213,10 +215,7 @@ def _chat_job(
     # NOTE: the thinking is free (a tool call written inside it is thinking, never parsed); the
     # constraint (the tools' structural tag too) holds the answer after the end marker. The
     # phase does not depend on separate_reasoning, which only chooses how the text comes back.
-    fmt = tm.config.reasoning_format
-    thinks = fmt is not None and fmt.starts_in_reasoning(
-        prompt, thinking if isinstance(thinking, bool) else None
-    )
+    thinks = fmt is not None and fmt.starts_in_reasoning(prompt, thinking)
     marker = tm.reasoning_end_ids if thinks else []
     end_ids = thinking_phase(marker, thinks, params, "thinking_budget")
     gen = tm.build_request(
