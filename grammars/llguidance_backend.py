@@ -117,12 +117,13 @@ class LLGuidanceBackend(GrammarBackend):
         self.tokenizer = llguidance.LLTokenizer(
             backend.to_str(), n_vocab=vocab.size, eos_token=list(vocab.end_ids)
         )
-        # NOTE: llguidance reads every added token as special: text that spells one (Qwen's
-        # "<tool_call>") must name the token in a grammar, not its characters.
+        # NOTE: llguidance reads every added token as special: text that spells one that has
+        # text (Qwen's "<tool_call>", Mistral's "[TOOL_CALLS]": vocab.py) must name the token in
+        # a grammar, not its characters.
         self.added_texts = {
             t.content: tid
             for tid, t in vocab.tokenizer.added_tokens_decoder.items()
-            if not t.special and tid < vocab.size
+            if tid < vocab.size and vocab.token_bytes[tid] is not None
         }
 
     def compile(self, spec: GrammarSpec) -> Any:

@@ -6,7 +6,9 @@ Tokenizer kinds:
 - SentencePiece (Llama-2, Phi-3): "▁" is a space; `<0xAB>` tokens are raw bytes (byte fallback).
 Special tokens (control tokens such as <|im_end|>) have no text: they are `None` here and no
 grammar allows them, except the end tokens where the grammar may end. Added tokens that are not
-special (Qwen's `<tool_call>`) keep their text: a grammar that spells "<tool_call>" may use them.
+special (Qwen's `<tool_call>`) keep their text: a grammar that spells "<tool_call>" may use them;
+so do the special tokens in `text_ids` (the tool-call markers, runtime/tokenizer.text_marker_ids:
+Mistral's `[TOOL_CALLS]`), which the output's text keeps too.
 Ids past the tokenizer's vocabulary (lm_head padding) are `None` too.
 """
 
@@ -58,9 +60,14 @@ class TokenVocab:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, end_ids: list[int]
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        end_ids: list[int],
+        text_ids: frozenset[int] = frozenset(),
     ) -> TokenVocab:
-        """vocab_size: the model's (lm_head rows), which may exceed the tokenizer's."""
+        """vocab_size: the model's (lm_head rows), which may exceed the tokenizer's; text_ids:
+        special tokens that keep their text (module docstring)."""
         kind = tokenizer_kind(tokenizer)
         decode = _decode_byte_level if kind == "byte_level" else _decode_sentencepiece
         table: list[bytes | None] = [None] * vocab_size
@@ -70,7 +77,8 @@ class TokenVocab:
                 continue
             token = added.get(tid)
             if token is not None:
-                table[tid] = None if token.special else token.content.encode()
+                text = not token.special or tid in text_ids
+                table[tid] = token.content.encode() if text else None
             else:
                 table[tid] = decode(piece)
         for tid in end_ids:

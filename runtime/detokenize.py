@@ -36,8 +36,14 @@ class IncrementalDecoder:
         tokenizer: PreTrainedTokenizerBase,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        skipped: frozenset[int] | None = None,
     ) -> None:
+        """skipped: what skip_special_tokens drops where it is not every special token
+        (tokenizer.skipped_special_ids: the tool-call markers stay text)."""
         self.tokenizer = tokenizer
+        self._skipped = skipped if skip_special_tokens else None
+        if self._skipped is not None:
+            skip_special_tokens = False  # the ids are filtered before they are decoded
         self.kwargs = {
             "skip_special_tokens": skip_special_tokens,
             "spaces_between_special_tokens": spaces_between_special_tokens,
@@ -49,6 +55,8 @@ class IncrementalDecoder:
         self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
+        if self._skipped is not None:
+            ids = [i for i in ids if i not in self._skipped]
         if self._fast is not None:
             return self._fast(ids)
         return str(self.tokenizer.decode(ids, **self.kwargs))

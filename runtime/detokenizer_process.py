@@ -23,7 +23,7 @@ from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, se
 from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as from_sched
 from weft.runtime.messages.common import Fatal, Ready, Reply
-from weft.runtime.tokenizer import load_tokenizer
+from weft.runtime.tokenizer import load_tokenizer, skipped_special_ids
 
 logger = logging.getLogger("weft")
 
@@ -40,6 +40,8 @@ class _Sample:
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
+        # the tool-call markers are text (tokenizer.text_marker_ids), as the grammars see them
+        self.skipped = skipped_special_ids(tokenizer) if tokenizer is not None else None
         self.samples: dict[str, _Sample] = {}
 
     def handle(self, msg: from_sched.ToDetokenizer) -> to_tm.ToTokenizer:
@@ -57,7 +59,10 @@ class Detokenizer:
             decoder = None
             if self.tokenizer is not None:
                 decoder = IncrementalDecoder(
-                    self.tokenizer, s.skip_special_tokens, s.spaces_between_special_tokens
+                    self.tokenizer,
+                    s.skip_special_tokens,
+                    s.spaces_between_special_tokens,
+                    self.skipped,
                 )
             self.samples[s.rid] = _Sample(decoder, s.stop_hold)
         return to_tm.TextStep([self._update(u) for u in step.updates])

@@ -6,12 +6,40 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from weft.runtime.server.tool_formats import TOOL_MARKERS
+
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from None
+
+
+def text_marker_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The special tokens that are text all the same: the tool-call markers (TOOL_MARKERS, e.g.
+    Mistral's `[TOOL_CALLS]`, a control token). A property of the vocabulary, not of a request:
+    the grammar vocabulary (grammars/vocab.py) and every output's text (`skipped_special_ids`)
+    agree on it, so the text of a constrained output is the text its grammar matched.
+
+    NOTE: so any grammar may emit a marker where its text fits (inside a JSON string, say),
+    and a chat without tools shows a marker the model writes (as Qwen's `<tool_call>` shows).
+    Other special tokens (`</s>`, `[INST]`) stay textless: no grammar can spell them."""
+    return frozenset(
+        tid
+        for tid, token in tokenizer.added_tokens_decoder.items()
+        if token.special and token.content in TOOL_MARKERS
+    )
+
+
+def skipped_special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int] | None:
+    """What skip_special_tokens drops where some special tokens are text (`text_marker_ids`):
+    every other special token; None where none is text (the tokenizer's own skipping)."""
+    kept = text_marker_ids(tokenizer)
+    if not kept:
+        return None
+    special = {tid for tid, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return frozenset(special.union(tokenizer.all_special_ids) - kept)
 
 
 def encode_prompt(

@@ -22,6 +22,7 @@ from weft.runtime.histogram import BucketCounts
 from weft.runtime.model_runner import ModelRunner
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
+from weft.runtime.tokenizer import text_marker_ids
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,9 @@ class Constrained:
             if tokenizer is None:
                 raise ValueError("constrained decoding needs the model's tokenizer")
             end_ids = self.end_list
+            markers = text_marker_ids(tokenizer)
             self._grammars = GrammarManager(
-                lambda: TokenVocab.from_tokenizer(tokenizer, vocab_size, end_ids),
+                lambda: TokenVocab.from_tokenizer(tokenizer, vocab_size, end_ids, markers),
                 order=self.config.grammar_backends,
                 timeout_s=self.config.grammar_compile_timeout,
                 compact_json=self.config.constrained_json_disable_any_whitespace,

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from weft.runtime.core import FinishReason, Req
 from weft.runtime.detokenize import IncrementalDecoder
 from weft.runtime.sampler import top_logprobs
+from weft.runtime.tokenizer import skipped_special_ids
 
 
 class OutputProcessor:
@@ -19,12 +20,17 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.end_ids = end_ids
         self.max_seq_len = max_seq_len
+        # the tool-call markers are text: the detokenizer's text and this one agree on it
+        self.skipped = skipped_special_ids(tokenizer) if tokenizer is not None else None
 
     def start(self, req: Req) -> None:
         if self.tokenizer is not None and req.decoder is None:
             p = req.params
             req.decoder = IncrementalDecoder(
-                self.tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens
+                self.tokenizer,
+                p.skip_special_tokens,
+                p.spaces_between_special_tokens,
+                self.skipped,
             )
         if req.logprob is not None and req.logprob.start_len == 0 and not req.input_logprobs:
             req.input_logprobs.append((None, req.input_ids[0], []))

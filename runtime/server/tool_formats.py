@@ -17,9 +17,11 @@ Mistral: the v3/v7 templates write an assistant turn's calls as ONE JSON array a
 the structural tag has no "open once, close after the last" group), and the parser reads arrays
 of any length. The v11+ templates write `[TOOL_CALLS]name[ARGS]{...}` per call (a
 `[CALL_ID]id` before `[ARGS]`, which some of them render, is read and ignored).
-NOTE: real Mistral tokenizers mark `[TOOL_CALLS]` and `[ARGS]` as special tokens; the grammar
-vocabulary gives special tokens no text (grammars/vocab.py), so constrained output spells the
-markers with plain text tokens, which the parser reads the same.
+Markers: real Mistral tokenizers make `[TOOL_CALLS]`, `[ARGS]` and `[CALL_ID]` special (control)
+tokens, which have no text by default: no grammar could emit them and skip_special_tokens would
+strip them from the output, so the parser would never see a call. Every format's `markers` are
+therefore text wherever a tokenizer has them (TOOL_MARKERS, runtime/tokenizer.py): in the grammar
+vocabulary and in every output's text, as Qwen's non-special `<tool_call>` always is.
 
 Gemma 3 has no tool tokens and its template ignores `tools`. The convention is the one Google's
 Gemma function-calling guide documents (its JSON variant): the prompt lists the functions as JSON
@@ -53,6 +55,7 @@ class ToolFormat(ABC):
     name: str
     trigger: str  # a call starts where this appears in the output
     separator: str  # between calls when the output is nothing but calls
+    markers: tuple[str, ...] = ()  # the texts of the format's own tokens (TOOL_MARKERS)
 
     @abstractmethod
     def begin(self, name: str) -> str:
@@ -266,14 +269,22 @@ QWEN25 = JsonCallFormat(
     name="qwen25",
     trigger="<tool_call>",
     separator="\n",
+    markers=("<tool_call>", "</tool_call>"),
     open_tag="<tool_call>",
     close_tag="</tool_call>",
 )
 LLAMA3_JSON = JsonCallFormat(
     name="llama3_json", trigger='{"name": "', separator="; ", args_key="parameters"
 )
-MISTRAL = MistralArrayFormat(name="mistral", trigger="[TOOL_CALLS]", separator="")
-MISTRAL_ARGS = MistralArgsFormat(name="mistral_args", trigger="[TOOL_CALLS]", separator="")
+MISTRAL = MistralArrayFormat(
+    name="mistral", trigger="[TOOL_CALLS]", separator="", markers=("[TOOL_CALLS]",)
+)
+MISTRAL_ARGS = MistralArgsFormat(
+    name="mistral_args",
+    trigger="[TOOL_CALLS]",
+    separator="",
+    markers=("[TOOL_CALLS]", ARGS_MARK, CALL_ID_MARK),
+)
 # The JSON variant of the prompt in Google's Gemma function-calling guide.
 GEMMA_PROMPT = (
     "You have access to functions. If you decide to invoke any of the function(s), you MUST put "
@@ -286,6 +297,8 @@ GEMMA = JsonCallFormat(
     name="gemma", trigger='{"name": "', separator="\n", args_key="parameters", prompt=GEMMA_PROMPT
 )
 FORMATS = (QWEN25, MISTRAL, MISTRAL_ARGS, LLAMA3_JSON, GEMMA)
+# Tokens that are text wherever a tokenizer has them, special or not (runtime/tokenizer.py).
+TOOL_MARKERS = frozenset(mark for fmt in FORMATS for mark in fmt.markers)
 
 
 def detect_format(template: str | None) -> ToolFormat | None:
