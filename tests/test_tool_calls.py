@@ -10,6 +10,7 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
+import jsonschema
 import msgspec
 import pytest
 
@@ -1165,6 +1166,95 @@ def test_every_format_gives_a_valid_tag_for_every_choice(fmt):
             assert json.loads(parse_spec("structural_tag", json.dumps(tag)).text) == tag
             # what the constraint lets the model write, the parser reads back as the call
             call = tag["structures"][0]
-            text = call["begin"] + '{"city": "Oslo"}' + call["end"]
             name = "add" if choice.mode == "function" else "get_weather"
+            args = {"city": "Oslo"}
+            if fmt is MISTRAL:  # one array of calls
+                body: Any = [{"name": name, "arguments": args}]
+            else:
+                body = args
+            jsonschema.validate(body, call["schema"])
+            text = call["begin"] + json.dumps(body) + call["end"]
             assert calls_of(text, fmt) == (None, [(name, '{"city": "Oslo"}')])
+
+
+def _mistral_call(name: str, args: Any) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": args},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def test_mistral_calls_are_one_array():
+    # [TOOL_CALLS][{...}, {...}]: as Mistral's templates write parallel calls; each call's
+    # arguments are held to its own tool's parameters
+    tools = check_tools(TOOLS)
+    tag = structural_tag(MISTRAL, tools, ToolChoice("required"))
+    calls = [_mistral_call("get_weather", WEATHER["function"]["parameters"])]
+    calls.append(_mistral_call("add", EMPTY_OBJECT))
+    array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    assert tag == {
+        "type": "structural_tag",
+        "structures": [{"begin": "[TOOL_CALLS]", "schema": array, "end": ""}],
+        "triggers": ["[TOOL_CALLS]"],
+        "free_text": False,
+        "at_least_one": True,
+        "repeat": False,
+        "separator": "",
+    }
+    two = [{"name": "add", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "X"}}]
+    jsonschema.validate(two, array)
+    text = "[TOOL_CALLS]" + json.dumps(two)
+    assert calls_of(text, MISTRAL) == (None, [("add", "{}"), ("get_weather", '{"city": "X"}')])
+    for bad in ([], [{"name": "add", "arguments": {}, "id": "abcdefghi"}], [{"name": "x"}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, array)
+    with pytest.raises(jsonschema.ValidationError):  # get_weather's arguments need a city
+        jsonschema.validate([{"name": "get_weather", "arguments": {}}], array)
+    # not parallel: one call; a named function: one call of it; auto: after the marker
+    one = structural_tag(MISTRAL, tools, ToolChoice("required"), parallel=False)
+    assert one["structures"][0]["schema"] == {**array, "maxItems": 1}
+    named = structural_tag(MISTRAL, tools, ToolChoice("function", "add"))
+    assert named["structures"][0]["schema"] == {
+        "type": "array",
+        "items": _mistral_call("add", EMPTY_OBJECT),
+        "minItems": 1,
+        "maxItems": 1,
+    }
+    auto = structural_tag(MISTRAL, tools, ToolChoice("auto"))
+    assert auto["free_text"] and auto["structures"] == tag["structures"]
+
+
+def test_mistral_array_keeps_a_tools_refs():
+    # a tool's "#/..." refs point into its own schema: it moves under the root's $defs
+    node = {
+        "type": "object",
+        "properties": {
+            "v": {"$ref": "#/$defs/V"},
+            "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+        },
+        "required": ["v"],
+        "$defs": {"V": {"type": "integer"}},
+    }
+    tools = check_tools([{"type": "function", "function": {"name": "walk", "parameters": node}}])
+    [structure] = structural_tag(MISTRAL, tools, ToolChoice("required"))["structures"]
+    rebased = {
+        **node,
+        "properties": {
+            "v": {"$ref": "#/$defs/tool_0/$defs/V"},
+            "next": {"anyOf": [{"$ref": "#/$defs/tool_0"}, {"type": "null"}]},
+        },
+    }
+    assert structure["schema"] == {
+        "type": "array",
+        "items": _mistral_call("walk", {"$ref": "#/$defs/tool_0"}),
+        "minItems": 1,
+        "$defs": {"tool_0": rebased},
+    }
+    good = [{"name": "walk", "arguments": {"v": 1, "next": {"v": 2, "next": None}}}]
+    jsonschema.validate(good, structure["schema"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            [{"name": "walk", "arguments": {"v": 1, "next": {"v": "2"}}}], structure["schema"]
+        )

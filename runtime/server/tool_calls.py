@@ -194,21 +194,14 @@ def structural_tag(
     if choice.mode not in ("auto", "required", "function"):
         raise ValueError(f"no structural tag for tool_choice {choice.mode!r}")
     chosen = [t for t in tools if choice.mode != "function" or t["function"]["name"] == choice.name]
-    structures = [
-        {
-            "begin": fmt.begin(t["function"]["name"]),
-            "schema": t["function"]["parameters"],
-            "end": fmt.end,
-        }
-        for t in chosen
-    ]
+    structures, repeat = fmt.structures(chosen, parallel and choice.mode != "function")
     return {
         "type": "structural_tag",
         "structures": structures,
         "triggers": [fmt.trigger],
         "free_text": choice.mode == "auto",
         "at_least_one": choice.mode != "auto",
-        "repeat": parallel and choice.mode != "function",
+        "repeat": repeat,
         "separator": fmt.separator,
     }
 

@@ -8,14 +8,16 @@
 | llama3_json   | `<|python_tag|>`, `Environment: ipython` | `{"name": "f", "parameters": {..}}`         | "; "            |
 | gemma         | `<start_of_turn>` (Gemma 3)        | `{"name": "f", "parameters": {..}}`               | "\\n"           |
 
-Each format gives the structural tag (weft.grammars.spec) its pieces, `begin(name)` + the
-arguments' schema + `end`, and tells the parser (`tool_parser.ToolCallParser`) where a call that
-starts at its `trigger` ends (`call_end`) and which calls it holds (`decode`).
+Each format gives the structural tag (weft.grammars.spec) its pieces (`structures`: for most,
+`begin(name)` + the arguments' schema + `end` per tool), and tells the parser
+(`tool_parser.ToolCallParser`) where a call that starts at its `trigger` ends (`call_end`) and
+which calls it holds (`decode`).
 
 Mistral: the v3/v7 templates write an assistant turn's calls as ONE JSON array after
-`[TOOL_CALLS]`; the constraint writes one call per `[TOOL_CALLS][...]` block (as SGLang does:
-the structural tag has no "open once, close after the last" group), and the parser reads arrays
-of any length. The v11+ templates write `[TOOL_CALLS]name[ARGS]{...}` per call (a
+`[TOOL_CALLS]`, and so does the constraint: one structure, the marker and then a JSON array of
+calls whose items are `{"name": <const>, "arguments": <that tool's parameters>}` (`calls_array`:
+one or more calls, one unless parallel); the parser reads arrays of any length, and blocks one
+after another (as SGLang's constraint writes them). The v11+ templates write `[TOOL_CALLS]name[ARGS]{...}` per call (a
 `[CALL_ID]id` before `[ARGS]`, which some of them render, is read and ignored).
 Markers: real Mistral tokenizers make `[TOOL_CALLS]`, `[ARGS]` and `[CALL_ID]` special (control)
 tokens, which have no text by default: no grammar could emit them and skip_special_tokens would
@@ -42,6 +44,8 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
+
+from weft.grammars.schema_walk import map_subschemas
 
 logger = logging.getLogger("weft")
 
@@ -78,6 +82,22 @@ class ToolFormat(ABC):
     def call_id(self) -> str:
         """A new id for a parsed call."""
         return "call_" + uuid.uuid4().hex[:24]
+
+    def structures(
+        self, tools: list[dict[str, Any]], parallel: bool
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """The structural tag's structures for calls of `tools` (checked OpenAI tool dicts),
+        and whether the tag repeats them: `parallel`, more than one call may be made. One
+        structure per tool: `begin(name)` + its parameters + `end`."""
+        structures = [
+            {
+                "begin": self.begin(t["function"]["name"]),
+                "schema": t["function"]["parameters"],
+                "end": self.end,
+            }
+            for t in tools
+        ]
+        return structures, parallel
 
     def tool_prompt(self, tools: list[dict[str, Any]]) -> str | None:
         """Text that teaches the model the tools, for templates that do not render them (None:
@@ -158,6 +178,14 @@ class MistralArrayFormat(ToolFormat):
     def call_id(self) -> str:
         return mistral_call_id()
 
+    def structures(
+        self, tools: list[dict[str, Any]], parallel: bool
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """One structure: the marker, then ONE array of calls (of one or more of `tools`; one
+        call unless `parallel`), as the templates write an assistant turn's calls."""
+        structure = {"begin": self.trigger, "schema": calls_array(tools, parallel), "end": ""}
+        return [structure], False
+
     def decode(self, segment: str, closed: bool) -> list[ParsedCall] | None:
         if not closed:
             return None
@@ -168,6 +196,75 @@ class MistralArrayFormat(ToolFormat):
         if any(c is None for c in calls):
             return None  # a bad element: the whole array stays content
         return [c for c in calls if c is not None]
+
+
+def calls_array(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of an array of calls [{"name": ..., "arguments": {...}}, ...], each
+    call's arguments held to its own tool's parameters; at least one call, at most one unless
+    `parallel`."""
+    defs: dict[str, Any] = {}
+    items = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        args = fn["parameters"]
+        if _has_local_ref(args):
+            # NOTE: a "#..." $ref points into the tool's own schema, which is no longer the
+            # document's root here: the schema moves to the root's $defs, its refs rebased
+            # onto it (no JSON pointer through an array: xgrammar cannot follow one)
+            key = f"tool_{i}"
+            defs[key] = _rebased(args, f"#/$defs/{key}")
+            args = {"$ref": f"#/$defs/{key}"}
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": args},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+        "minItems": 1,
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _is_pointer_ref(ref: Any) -> bool:
+    """A JSON pointer into the same document: "#" or "#/..." (not an anchor, "#name")."""
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+
+
+def _has_local_ref(schema: Any) -> bool:
+    return any(_is_pointer_ref(node.get("$ref")) for node in _own_subschemas(schema))
+
+
+def _own_subschemas(schema: Any) -> list[dict[str, Any]]:
+    """Every object subschema of `schema` as written (refs not followed)."""
+    found: list[dict[str, Any]] = []
+
+    def visit(original: dict[str, Any], copy: dict[str, Any]) -> dict[str, Any]:
+        found.append(original)
+        return copy
+
+    map_subschemas(schema, visit)
+    return found
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each JSON-pointer $ref ("#", "#/...") made relative to `base` instead."""
+
+    def rebase(original: dict[str, Any], copy: dict[str, Any]) -> dict[str, Any]:
+        ref = copy.get("$ref")
+        if isinstance(ref, str) and _is_pointer_ref(ref):
+            copy["$ref"] = base + ref[1:]
+        return copy
+
+    return map_subschemas(schema, rebase)
 
 
 ARGS_MARK = "[ARGS]"
