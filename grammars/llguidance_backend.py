@@ -204,7 +204,8 @@ class LLGuidanceBackend(GrammarBackend):
         for i, s in enumerate(tag["structures"]):
             begin, end = self._lark_text(s["begin"]), self._lark_text(s["end"])
             # NOTE: the JSON layout travels in the schema: %json takes no overrides
-            schema = {**optional_keys_last(s["schema"]), "x-guidance": JSON_OPTIONS}
+            layout = COMPACT_JSON_OPTIONS if self.compact_json else JSON_OPTIONS
+            schema = {**optional_keys_last(s["schema"]), "x-guidance": layout}
             calls.append(f"call_{i}: {begin} %json {json.dumps(schema)} {end}")
         alternatives = " | ".join(f"call_{i}" for i in range(len(calls)))
         sep = self._lark_text(tag["separator"])

@@ -121,8 +121,26 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind == "choices":
             return G.from_ebnf(choices_ebnf(spec.value))
         if spec.kind == "structural_tag":
-            return G.from_structural_tag(json.dumps(_structural(spec.value)))
+            return G.from_structural_tag(json.dumps(_structural(spec.value, self._content)))
         raise GrammarUnsupported(f"xgrammar does not compile {spec.kind}")
+
+    def _content(self, schema: Any) -> dict[str, Any]:
+        """A structure's JSON under `schema`, laid out as the backend's JSON is."""
+        schema = _for_xgrammar(schema)
+        if self.compact_json:
+            # NOTE: a json_schema content bounds whitespace (max_whitespace_cnt >= 1) but has
+            # no compact layout: the grammar from_json_schema gives for one is the content
+            G = self.xgr.Grammar
+            grammar = G.from_json_schema(
+                json.dumps(schema), strict_mode=False, any_whitespace=False
+            )
+            return {"type": "grammar", "grammar": str(grammar)}
+        # NOTE: unbounded by default: a model could fill the context with whitespace
+        return {
+            "type": "json_schema",
+            "json_schema": schema,
+            "max_whitespace_cnt": JSON_WHITESPACE_MAX,
+        }
 
     def matcher(self, compiled: Any) -> Matcher:
         return XGrammarMatcher(self.xgr.GrammarMatcher(compiled), self.vocab.end_ids[0])
@@ -183,20 +201,11 @@ def _for_xgrammar(schema: Any) -> Any:
     return optional_keys_last(exact_lengths(schema))
 
 
-def _structural(tag: dict[str, Any]) -> dict[str, Any]:
-    """weft's structural tag (grammars/spec.py) -> xgrammar's structural-tag format."""
+def _structural(tag: dict[str, Any], content: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """weft's structural tag (grammars/spec.py) -> xgrammar's structural-tag format; `content`
+    gives a structure's JSON content from its schema."""
     tags = [
-        {
-            "type": "tag",
-            "begin": s["begin"],
-            # NOTE: unbounded by default: a model could fill the context with whitespace
-            "content": {
-                "type": "json_schema",
-                "json_schema": _for_xgrammar(s["schema"]),
-                "max_whitespace_cnt": JSON_WHITESPACE_MAX,
-            },
-            "end": s["end"],
-        }
+        {"type": "tag", "begin": s["begin"], "content": content(s["schema"]), "end": s["end"]}
         for s in tag["structures"]
     ]
     common = {"at_least_one": tag["at_least_one"], "stop_after_first": not tag["repeat"]}

@@ -126,6 +126,23 @@ def test_tool_call_arguments_hold_whitespace_runs_to_the_json_bound(
 
 
 @pytest.mark.parametrize("backend", list(SUPPORTED))
+def test_compact_json_holds_tool_call_arguments_too(qwen_vocab, qwen_tokenizer, backend):
+    # --constrained-json-disable-any-whitespace: the arguments on one line, as any JSON (at
+    # most outlines-core's one optional space in a gap)
+    manager = GrammarManager(lambda: qwen_vocab, order=[backend], compact_json=True)
+    try:
+        compiled = manager.compile(CASES["structural_tag"][0])
+        head = '<tool_call>\n{"name": "get_weather", "arguments": {'
+        for gap, allowed in (("", True), ("  ", False), ("\n", False)):
+            grammar = RequestGrammar(compiled, QWEN_END_IDS)
+            text = head + gap + '"city": "Oslo"}}\n</tool_call>'
+            stop = _walk(manager, grammar, qwen_tokenizer, text)
+            assert (stop is None) == allowed, (gap, stop)
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("backend", list(SUPPORTED))
 def test_end_tokens_only_where_the_grammar_may_end(managers, backend):
     manager = managers[backend]
     grammar = RequestGrammar(manager.compile(CASES["regex"][0]), QWEN_END_IDS)
