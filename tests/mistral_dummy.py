@@ -62,11 +62,15 @@ def mistral_tokenizer() -> AutoTokenizer:
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
     for i, text in enumerate(CONTROL_TOKENS):
         assert tokenizer.convert_tokens_to_ids(text) == FIRST_ID + i, text
-    template = fixture_path(
+    tokenizer.chat_template = nemo_template()
+    return tokenizer
+
+
+def nemo_template() -> str:
+    path = fixture_path(
         "tokenizers", "chat-templates", "mistralai-Mistral-Nemo-Instruct-2407.jinja"
     )
-    tokenizer.chat_template = template.read_text()
-    return tokenizer
+    return path.read_text()
 
 
 def build_mistral_dummy(folder: Path) -> Path:
