@@ -487,6 +487,56 @@ PARSE_CASES += [
     ),
 ]
 
+GEMMA_CALL = '{"name": "get_weather", "parameters": {"city": "Lima"}}'
+PARSE_CASES += [
+    (
+        "gemma: a call in a json fence",
+        f"```json\n{GEMMA_CALL}\n```",
+        GEMMA,
+        (None, [("get_weather", '{"city": "Lima"}')]),
+    ),
+    (
+        "gemma: a call in a tool_code fence, text around",
+        f"Let me check.\n```tool_code\n{GEMMA_CALL}\n```\nDone.",
+        GEMMA,
+        ("Let me check.\n\nDone.", [("get_weather", '{"city": "Lima"}')]),
+    ),
+    (
+        "gemma: two calls in one fence",
+        f'```json\n{GEMMA_CALL}\n{{"name": "add", "parameters": {{}}}}\n```',
+        GEMMA,
+        (None, [("get_weather", '{"city": "Lima"}'), ("add", "{}")]),
+    ),
+    (
+        "gemma: only the fence that holds the call goes",
+        f"```python\nprint(1)\n```\n```json\n{GEMMA_CALL}\n```\n```json\n[1]\n```",
+        GEMMA,
+        (
+            "```python\nprint(1)\n```\n\n```json\n[1]\n```",
+            [("get_weather", '{"city": "Lima"}')],
+        ),
+    ),
+    (
+        "gemma: a fence around JSON that is no call stays",
+        '```json\n{"name": "Bob", "age": 3}\n```',
+        GEMMA,
+        ('```json\n{"name": "Bob", "age": 3}\n```', []),
+    ),
+    (
+        "gemma: a fence without a language stays (it may close another block)",
+        f"```\n{GEMMA_CALL}\n```",
+        GEMMA,
+        ("```\n\n```", [("get_weather", '{"city": "Lima"}')]),
+    ),
+    (
+        "gemma: a fence left open loses its opener only",
+        f"```json {GEMMA_CALL} and more",
+        GEMMA,
+        ("and more", [("get_weather", '{"city": "Lima"}')]),
+    ),
+    ("gemma: an opener alone is content", "See ```json", GEMMA, ("See ```json", [])),
+]
+
 # outputs cut off by max_tokens (finish reason length): what may begin a call at the end is no
 # content either
 CUT_OFF_CASES = [
@@ -508,6 +558,9 @@ CUT_OFF_CASES = [
     ("mistral v11: a name cut off", "[TOOL_CALLS]get_wea", MISTRAL_ARGS, (None, [])),
     ("mistral v11: arguments cut off", '[TOOL_CALLS]add[ARGS]{"a": ', MISTRAL_ARGS, (None, [])),
     ("gemma: a call cut off", 'Hi {"name": "add", "param', GEMMA, ("Hi", [])),
+    ("gemma: a fenced call cut off", 'Hi\n```json\n{"name": "add", "param', GEMMA, ("Hi", [])),
+    ("gemma: a fenced trigger prefix", 'Hi\n```json\n{"na', GEMMA, ("Hi", [])),
+    ("gemma: an opener at the end stays", "Hi\n```json\n", GEMMA, ("Hi\n```json", [])),
 ]
 
 
@@ -648,6 +701,24 @@ def _streamed(job: ChatJob, sample: Sample, text: str, finish: dict[str, Any], s
         call = calls.setdefault(part["index"], [part["function"].get("name", ""), ""])
         call[1] += part["function"]["arguments"]
     return content, [tuple(c) for c in calls.values()], choices[-1]["finish_reason"]
+
+
+def test_a_gemma_call_in_a_fence_whole_and_streamed():
+    plan = plan_tools(TOOLS, None, None, GEMMA3)
+    text = f"Checking.\n```json\n{GEMMA_CALL}\n```"
+    stop = {"type": "stop", "matched": 106}
+    job, sample = _job(plan)
+    sample.text = text
+    sample.finish_reason = stop
+    choice = job.response()["choices"][0]
+    calls = [("get_weather", '{"city": "Lima"}')]
+    assert choice["message"]["content"] == "Checking."
+    assert [
+        (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]
+    ] == calls
+    for step in (1, 2, 5, len(text)):
+        job, sample = _job(plan)
+        assert _streamed(job, sample, text, stop, step) == ("Checking.", calls, "tool_calls")
 
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])

@@ -29,7 +29,8 @@ Gemma 3 has no tool tokens and its template ignores `tools`. The convention is t
 Gemma function-calling guide documents (its JSON variant): the prompt lists the functions as JSON
 and says "If you decide to invoke any of the function(s), you MUST put it in the format of
 {"name": function name, "parameters": dictionary of argument name and its value}"; the model then
-answers with that bare JSON object (no fence), which is the call. `tool_prompt` is that text:
+answers with that bare JSON object, which is the call; a model that puts it in a code fence
+("```json" or "```tool_code" ... "```") gets the call without the fence (`fences`). `tool_prompt` is that text:
 the chat renderer puts it into the prompt as a system message (Gemma's template folds it into
 the first user turn) when the template itself does not render tools.
 """
@@ -60,6 +61,7 @@ class ToolFormat(ABC):
     trigger: str  # a call starts where this appears in the output
     separator: str  # between calls when the output is nothing but calls
     markers: tuple[str, ...] = ()  # the texts of the format's own tokens (TOOL_MARKERS)
+    fences: tuple[str, ...] = ()  # code-fence openers a model may put calls in (then FENCE)
 
     @abstractmethod
     def begin(self, name: str) -> str:
@@ -267,6 +269,7 @@ def _rebased(schema: Any, base: str) -> Any:
     return map_subschemas(schema, rebase)
 
 
+FENCE = "```"  # closes a code fence
 ARGS_MARK = "[ARGS]"
 CALL_ID_MARK = "[CALL_ID]"
 MAX_NAME_CHARS = 64 + len(CALL_ID_MARK) + 64  # a name, and a call id the template may show
@@ -391,7 +394,12 @@ GEMMA_PROMPT = (
     "{tools}"
 )
 GEMMA = JsonCallFormat(
-    name="gemma", trigger='{"name": "', separator="\n", args_key="parameters", prompt=GEMMA_PROMPT
+    name="gemma",
+    trigger='{"name": "',
+    separator="\n",
+    fences=("```json", "```tool_code"),
+    args_key="parameters",
+    prompt=GEMMA_PROMPT,
 )
 FORMATS = (QWEN25, MISTRAL, MISTRAL_ARGS, LLAMA3_JSON, GEMMA)
 # Tokens that are text wherever a tokenizer has them, special or not (runtime/tokenizer.py).

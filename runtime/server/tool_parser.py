@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from weft.runtime.server.tool_formats import ToolFormat
+from weft.runtime.server.tool_formats import FENCE, ToolFormat
 
 logger = logging.getLogger("weft")
 
@@ -65,6 +65,11 @@ class ToolCallParser:
     held back until it is decided or the output ends; then a call that never closed is dropped
     (max_tokens or a stop string cut it off: it is no content), and so is a prefix of the
     trigger at the end of an output that was cut off (the call it began is cut off too).
+
+    Fences (formats whose `fences` name openers, Gemma's "```json"): an opener right before a
+    call (whitespace between) and the "```" right after the calls it holds are no content
+    either; an opener is held back like a trigger prefix until the text after it decides.
+    NOTE: only openers with a language: a bare "```" before a call may close another block.
     """
 
     def __init__(self, fmt: ToolFormat, names: frozenset[str]) -> None:
@@ -72,6 +77,7 @@ class ToolCallParser:
         self.names = names
         self.pending = ""  # text not decided yet
         self.after_call = False  # pending starts right after a call
+        self.in_fence = False  # the calls before pending are inside a code fence
         self.trim = _Trim()
         self.num_calls = 0
         core = fmt.separator.strip()
@@ -98,27 +104,61 @@ class ToolCallParser:
             trigger = self.fmt.trigger
             start = self.pending.find(trigger)
             if start < 0:
-                keep = 0 if final and not cut_off else _held_prefix(self.pending, trigger)
+                keep = self._held(final, cut_off)
                 self._content(out, self.pending[: len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep :]
                 break
-            self._content(out, self.pending[:start])
-            self.pending = self.pending[start:]
-            end = self.fmt.call_end(self.pending)
+            # a fence that opens right before the call stays with it until the call decides
+            fence = self._fence_at(self.pending[:start])
+            head = start if fence is None else fence
+            self._content(out, self.pending[:head])
+            self.pending = self.pending[head:]
+            start -= head
+            end = self.fmt.call_end(self.pending[start:])
             if end is None and not final:
                 break
-            segment = self.pending if end is None else self.pending[:end]
+            segment = self.pending[start:] if end is None else self.pending[start : start + end]
             calls = self._decode(segment, closed=end is not None)
             if calls is None and end is None:
-                break  # an unclosed call: never content (finish drops it)
+                break  # an unclosed call: never content (finish drops it, its fence too)
             if calls is None:
-                self._content(out, segment)
-            else:
+                self._content(out, self.pending[: start + len(segment)])
+                self.in_fence = False
+            else:  # the fence that holds the call (or the calls before it) is no content
                 out.extend(calls)
                 self.num_calls += len(calls)
                 self.after_call = True
-            self.pending = self.pending[len(segment) :]
+                self.in_fence = self.in_fence or fence is not None
+            self.pending = self.pending[start + len(segment) :]
         return out
+
+    def _held(self, final: bool, cut_off: bool) -> int:
+        """How much of the end of pending (no trigger in it) to hold back: what may begin a
+        call (a prefix of the trigger), and a fence that may hold it. At the end of an output:
+        nothing, or what begins a call that was cut off, with its fence."""
+        if final and not cut_off:
+            return 0
+        keep = _held_prefix(self.pending, self.fmt.trigger)
+        if final and not keep:
+            return 0
+        return keep + self._held_fence(self.pending[: len(self.pending) - keep])
+
+    def _fence_at(self, text: str) -> int | None:
+        """Where a fence opener that ends `text` (but for whitespace) starts, if one does."""
+        body = text.rstrip()
+        for opener in self.fmt.fences:
+            if body.endswith(opener):
+                return len(body) - len(opener)
+        return None
+
+    def _held_fence(self, text: str) -> int:
+        """The length of the end of `text` that opens a fence, or may still become an opener."""
+        at = self._fence_at(text)
+        if at is not None:
+            return len(text) - at
+        if not self.fmt.fences or text.rstrip() != text:
+            return 0
+        return max(_held_prefix(text, opener) for opener in self.fmt.fences)
 
     def _skip_gap(self, final: bool) -> bool:
         """After a call: drop a gap (whitespace, the separator) that precedes another call or
@@ -130,15 +170,21 @@ class ToolCallParser:
             if not final:
                 return False
             self.pending = ""  # the gap ends the output
-            self.after_call = False
+            self.after_call = self.in_fence = False
             return True
         if rest.startswith(self.fmt.trigger):
             self.pending = rest
             self.after_call = False
             return True
-        if not final and self.fmt.trigger.startswith(rest):
+        if self.in_fence and rest.startswith(FENCE):
+            self.pending = rest[len(FENCE) :]  # the fence that held the calls closes
+            self.after_call = self.in_fence = False
+            return True
+        if not final and (
+            self.fmt.trigger.startswith(rest) or (self.in_fence and FENCE.startswith(rest))
+        ):
             return False
-        self.after_call = False  # the gap is content after all
+        self.after_call = self.in_fence = False  # the gap is content after all
         return True
 
     def _content(self, out: list[ParseEvent], text: str) -> None:
