@@ -1203,6 +1203,56 @@ def test_gemma_gets_the_tools_from_weft(qwen_tokenizer):
     assert '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"' in prompt
 
 
+GEMMA_HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    *HISTORY,
+    {"role": "user", "content": "And in Oslo?"},
+    {
+        "role": "assistant",
+        "content": "Checking both.",
+        "tool_calls": [
+            {"id": "c2", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "c3", "function": {"name": "add", "arguments": ""}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c2", "content": '{"temp": 9}'},
+    {"role": "tool", "tool_call_id": "c3", "content": "3"},
+]
+
+
+def test_gemma_renders_tool_calls_and_results_as_plain_turns(qwen_tokenizer):
+    # the calls as the model writes them; the results as ```tool_output blocks in user turns,
+    # merged with the user turn next to them so that the roles alternate
+    prompt, params, _ = run_chat(qwen_tokenizer, GEMMA3, messages=GEMMA_HISTORY, tools=TOOLS)
+    tools_text = "\n".join(json.dumps(t) for t in check_tools(TOOLS))
+    assert prompt == (
+        "<start_of_turn>user\nBe brief.\n\nYou have access to functions. If you decide to "
+        'invoke any of the function(s), you MUST put it in the format of {"name": function '
+        'name, "parameters": dictionary of argument name and its value}\nYou SHOULD NOT '
+        f"include any other text in the response if you call a function\n{tools_text}\n\n"
+        "Weather in Paris?<end_of_turn>\n"
+        '<start_of_turn>model\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+        "<end_of_turn>\n"
+        '<start_of_turn>user\n```tool_output\n{"temp": 21}\n```\n\nAnd in Oslo?<end_of_turn>\n'
+        "<start_of_turn>model\nChecking both.\n"
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}\n'
+        '{"name": "add", "parameters": {}}<end_of_turn>\n'
+        '<start_of_turn>user\n```tool_output\n{"temp": 9}\n```\n\n```tool_output\n3\n```'
+        "<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    assert params.structural_tag is not None
+    # without tools (tool_choice none): the same turns, no tool prompt
+    prompt, _, _ = run_chat(
+        qwen_tokenizer, GEMMA3, messages=GEMMA_HISTORY, tools=TOOLS, tool_choice="none"
+    )
+    assert prompt.startswith("<start_of_turn>user\nBe brief.\n\nWeather in Paris?<end_of_turn>")
+    assert '<start_of_turn>user\n```tool_output\n{"temp": 21}\n```\n\nAnd in' in prompt
+    # the template's own check still holds where weft adds no turns
+    error = api_error(run_chat, qwen_tokenizer, GEMMA3, messages=[HISTORY[0], HISTORY[0]])
+    assert "roles must alternate" in error.message
+
+
 def test_qwen3_template_takes_tools_and_thinking(qwen_tokenizer):
     prompt, params, job = run_chat(
         qwen_tokenizer, QWEN3, tools=TOOLS, chat_template_kwargs={"enable_thinking": False}

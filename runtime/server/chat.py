@@ -7,7 +7,8 @@ expect: `tools=[{"type": "function", "function": {...}}]`, assistant `tool_calls
 
 A template that ignores `tools` (Gemma 3's) cannot teach them: where the call format has a
 prompt of its own (tool_formats.ToolFormat.tool_prompt), that text goes into the conversation as
-(the end of) its system message, which such templates render.
+(the end of) its system message, which such templates render; and the conversation's earlier
+calls and tool results are rewritten into plain turns (tool_history) that such templates take.
 
 `chat_template_kwargs` (vLLM's and SGLang's field) are extra variables of the template, e.g.
 Qwen3's `enable_thinking`; names that apply_chat_template takes itself are refused.
@@ -25,7 +26,8 @@ from transformers import PreTrainedTokenizerBase
 
 from weft.runtime.server.errors import ApiError, bad_request, not_supported
 from weft.runtime.server.openai_protocol import ChatMessage
-from weft.runtime.server.tool_formats import detect_format, renders_tools
+from weft.runtime.server.tool_formats import ToolFormat, detect_format, renders_tools
+from weft.runtime.server.tool_history import fold_tool_turns, has_tool_turns
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # apply_chat_template's own parameters and the variables it sets: not template kwargs
@@ -128,8 +130,11 @@ class ChatRenderer:
         if not messages:
             raise bad_request("messages must not be empty", "messages")
         plain = [_plain(m, i) for i, m in enumerate(messages)]
-        if tools:
-            plain = self._with_tool_prompt(plain, tools)
+        fmt = self._weft_teaches_tools()
+        if fmt is not None and has_tool_turns(plain):
+            plain = fold_tool_turns(plain, fmt)
+        if tools and fmt is not None:
+            plain = _with_tool_prompt(plain, fmt, tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 plain,
@@ -146,21 +151,28 @@ class ChatRenderer:
         assert isinstance(text, str)
         return text
 
-    def _with_tool_prompt(
-        self, plain: list[dict[str, Any]], tools: list[dict[str, Any]]
-    ) -> list[dict[str, Any]]:
-        """The messages, with the format's tool prompt in the system message when the template
-        would drop the tools."""
+    def _weft_teaches_tools(self) -> ToolFormat | None:
+        """The call format, where the template knows no tools and the format brings its own
+        prompt (Gemma 3): weft then shows the tools and the tool turns itself."""
         template = self.template_text
         fmt = detect_format(template)
-        prompt = fmt.tool_prompt(tools) if fmt is not None and not renders_tools(template) else None
-        if prompt is None:
-            return plain
-        if plain[0]["role"] == "system":
-            own = plain[0]["content"]
-            system = {**plain[0], "content": f"{own}\n\n{prompt}" if own else prompt}
-            return [system, *plain[1:]]
-        return [{"role": "system", "content": prompt}, *plain]
+        if fmt is None or renders_tools(template) or fmt.tool_prompt([]) is None:
+            return None
+        return fmt
+
+
+def _with_tool_prompt(
+    plain: list[dict[str, Any]], fmt: ToolFormat, tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The messages, with the format's tool prompt in the system message."""
+    prompt = fmt.tool_prompt(tools)
+    if prompt is None:
+        return plain
+    if plain[0]["role"] == "system":
+        own = plain[0]["content"]
+        system = {**plain[0], "content": f"{own}\n\n{prompt}" if own else prompt}
+        return [system, *plain[1:]]
+    return [{"role": "system", "content": prompt}, *plain]
 
 
 def _plain(message: ChatMessage, i: int) -> dict[str, Any]:
