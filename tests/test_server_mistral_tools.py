@@ -2,7 +2,8 @@
 (tests/mistral_dummy.py: Mistral-Nemo's template, dummy weights), under each grammar backend:
 the constraint writes the marker, the detokenizer keeps it, the parser returns the calls, whole
 and streamed alike. Random weights, sampled with a seed: the calls are whatever the constraint
-lets through, so they are checked against the tools' schemas, not against fixed arguments."""
+lets through, so they are checked against the tools' schemas, not against fixed arguments.
+The same server renders a Gemma 3 conversation with tool turns (its template, per request)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mistral_dummy import TOOL_CALLS_ID, build_mistral_dummy, nemo_template
 
 from weft.runtime.server.tool_calls import plan_tools
 
+from chat_templates import GEMMA3
 from server_utils import ServerProcess
 
 WEATHER = {
@@ -74,6 +76,7 @@ def server(request, folder):
         "--grammar-backend",
         request.param,
         "--constrained-json-disable-any-whitespace",  # random weights would pad JSON
+        "--trust-request-chat-template",  # the Gemma 3 template, per request
     )
     srv.backend = request.param  # type: ignore[attr-defined]
     yield srv
@@ -166,3 +169,31 @@ def test_auto_needs_free_text(server, client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**CHAT)
     assert "free text around structures is not supported" in err.value.message
+
+
+GEMMA_TURNS = [
+    *MESSAGES,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    {"role": "user", "content": "And in Oslo?"},
+]
+
+
+def test_gemma_tool_turns_are_served(client):
+    # Gemma 3's template raises on tool turns: weft renders them as plain turns
+    fields = {**CHAT, "messages": GEMMA_TURNS, "tool_choice": "required"}
+    choice = client.chat.completions.create(**fields, extra_body={"chat_template": GEMMA3})
+    calls = calls_of(choice.choices[0].message)
+    assert choice.choices[0].finish_reason == "tool_calls" and calls
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
