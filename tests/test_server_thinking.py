@@ -109,8 +109,8 @@ def test_a_regex_answer_after_the_whitespace_gap(qwen3, prompt):
 
 def test_a_required_tool_call_after_the_thinking(qwen3, client):
     """The tools' structural tag holds the answer: after the thinking (and its gap) comes the
-    call. NOTE: the call itself stays unfinished here: the tag lets JSON whitespace in, which
-    random weights sample without end, so the raw text (not the parsed call) is checked, on
+    call. NOTE: the call itself stays unfinished here: the tool's open object schema lets random
+    weights write properties without end, so the raw text (not the parsed call) is checked, on
     /generate with the chat's prompt and tag."""
     tool = {
         "type": "function",
