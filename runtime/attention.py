@@ -84,20 +84,17 @@ class AttentionBackend(ABC):
 class TorchAttention(AttentionBackend):
     """Gathers each request's KV from the pool and runs SDPA (batched for pure decode steps).
 
-    A window becomes a boolean mask (built once per step and window); soft-capping, which SDPA
+    A decode step gathers only a window's last W positions (`_decode_view`); an extend step's
+    window becomes a boolean mask (built once per step and window). Soft-capping, which SDPA
     lacks, runs the same attention in plain torch ops (`_attend`).
     """
 
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.req_to_token
-        self._window_masks: dict[int, list[torch.Tensor]] = {}  # window -> a mask per request
+        # decode: window (None: whole context) -> (slots [B, L], keep [B, 1, 1, L])
+        self._decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._window_masks: dict[int, list[torch.Tensor]] = {}  # extend: window -> [ext, seq]s
         if batch.is_decode:
-            max_len = max(batch.seq_lens_cpu)
-            keep = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens[:, None]
-            # NOTE: past a request's length its row holds stale slots that may now belong to other
-            # requests (and hold inf/NaN that a mask does not neutralise): read slot 0 there.
-            self._slots = torch.where(keep, table[batch.req_pool_indices, :max_len], 0)  # [B, L]
-            self._decode_mask = keep[:, None, None, :]  # [B, 1, 1, L]
             return
         self._per_req = []
         rows = batch.req_pool_indices.tolist()
@@ -109,19 +106,46 @@ class TorchAttention(AttentionBackend):
                 mask = _visible(prefix, seq, None, table.device)  # [ext, seq]
             self._per_req.append((slots, ext, prefix, mask))
 
-    def _masks(self, window: int, batch: ForwardBatch) -> list[torch.Tensor]:
-        """The step's masks for one window: [[B, 1, 1, L]] (decode), else [ext, seq] a request."""
+    def _decode_view(
+        self, window: int | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV slots a decode step reads for one window, built once per step and window:
+        slots [B, L] and keep [B, 1, 1, L] (False: padding, which reads slot 0).
+
+        Request b's query sits at position seq_len - 1 and sees positions [lo, seq_len) with
+        lo = max(0, seq_len - W) (q - k < W, as `_visible` and the Triton kernels define it), so
+        a window gathers only those: L = min(W, longest context), not the whole context.
+        """
+        max_len = max(batch.seq_lens_cpu)
+        if window is not None and window >= max_len:
+            window = None  # the window hides no position of this step
+        view = self._decode_views.get(window)
+        if view is None:
+            table = self.req_to_token.req_to_token
+            lens = batch.seq_lens[:, None]
+            width = max_len if window is None else window
+            pos = torch.arange(width, device=table.device)[None, :]  # [1, L]
+            if window is not None:
+                # NOTE: lo + width - 1 <= seq_len - 1 when seq_len >= W, else width - 1 < max_len:
+                # every position is inside the row, so no clamp is needed before the gather
+                pos = (lens - window).clamp(min=0) + pos  # [B, L]
+            keep = pos < lens
+            rows = batch.req_pool_indices[:, None]
+            # NOTE: past a request's length its row holds stale slots that may now belong to other
+            # requests (and hold inf/NaN that a mask does not neutralise): read slot 0 there.
+            slots = torch.where(keep, table[rows, pos], 0)
+            view = (slots, keep[:, None, None, :])
+            self._decode_views[window] = view
+        return view
+
+    def _masks(self, window: int) -> list[torch.Tensor]:
+        """An extend step's masks for one window, [ext, seq] a request, built once per step."""
         masks = self._window_masks.get(window)
         if masks is None:
-            if batch.is_decode:
-                pos = torch.arange(self._slots.shape[1], device=self._slots.device)[None, :]
-                inside = pos >= batch.seq_lens[:, None] - window  # queries sit at seq_len - 1
-                masks = [self._decode_mask & inside[:, None, None, :]]
-            else:
-                masks = [
-                    _visible(prefix, prefix + ext, window, slots.device)
-                    for slots, ext, prefix, _ in self._per_req
-                ]
+            masks = [
+                _visible(prefix, prefix + ext, window, slots.device)
+                for slots, ext, prefix, _ in self._per_req
+            ]
             self._window_masks[window] = masks
         return masks
 
@@ -140,13 +164,13 @@ class TorchAttention(AttentionBackend):
         v_buf = self.kv_pool.v_buffers[layer]
         num_tokens, num_heads, head_dim = q.shape
         window, cap, scale = options.sliding_window, options.logit_cap, options.scale
-        windowed = None if window is None else self._masks(window, batch)
         if batch.is_decode:
-            keys = k_buf[self._slots].transpose(1, 2)  # [B, Hkv, L, D]
-            values = v_buf[self._slots].transpose(1, 2)
-            keep = self._decode_mask if windowed is None else windowed[0]
+            slots, keep = self._decode_view(window, batch)
+            keys = k_buf[slots].transpose(1, 2)  # [B, Hkv, L, D]
+            values = v_buf[slots].transpose(1, 2)
             out = _attend(q.unsqueeze(2), keys, values, keep, cap, scale)  # [B, Hq, 1, D]
             return out.reshape(num_tokens, num_heads * head_dim)
+        windowed = None if window is None else self._masks(window)
         outputs = []
         start = 0
         for i, (slots, ext, prefix, mask) in enumerate(self._per_req):

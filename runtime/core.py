@@ -119,7 +119,11 @@ class Req:
             logprob = LogprobRequest(start_len=msg.logprob_start_len, top_k=msg.top_logprobs_num)
         thinking = None
         if msg.reasoning_end_ids:
-            thinking = Thinking(tuple(msg.reasoning_end_ids), msg.params.thinking_budget)
+            thinking = Thinking(
+                tuple(msg.reasoning_end_ids),
+                msg.params.thinking_budget,
+                start_ids=tuple(msg.reasoning_start_ids or ()),
+            )
         return cls(
             rid=msg.rid,
             input_ids=msg.input_ids,

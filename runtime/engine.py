@@ -46,6 +46,9 @@ class RequestArgs(TypedDict, total=False):
     # end marker, e.g. Qwen3's </think> id): a constraint holds the answer after them, and
     # sampling_params thinking_budget bounds the thinking (weft.runtime.thinking)
     reasoning_end_ids: list[int] | None
+    # with reasoning_end_ids: the output begins before the thinking and opens it by writing
+    # these tokens first (a start marker); any other first token begins the answer
+    reasoning_start_ids: list[int] | None
 
 
 class Engine(EngineThread):
@@ -208,6 +211,13 @@ class Engine(EngineThread):
             end_ids = request.get("reasoning_end_ids")
             if end_ids is not None:
                 end_ids = intake.check_ids(end_ids, "reasoning_end_ids")
+            start_ids = request.get("reasoning_start_ids")
+            if start_ids is not None:
+                if not end_ids:
+                    raise RequestError(
+                        "reasoning_start_ids needs reasoning_end_ids", "reasoning_start_ids"
+                    )
+                start_ids = intake.check_ids(start_ids, "reasoning_start_ids")
             if sp.thinking_budget is not None and not end_ids:
                 raise RequestError(
                     "thinking_budget needs reasoning_end_ids (the output's thinking)",
@@ -224,6 +234,7 @@ class Engine(EngineThread):
                     namespace=request.get("namespace", ""),
                     prompt_param="input_ids" if prompt is None else "prompt",
                     reasoning_end_ids=end_ids,
+                    reasoning_start_ids=start_ids,
                 )
             )
         return reqs, single

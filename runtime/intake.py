@@ -178,6 +178,7 @@ class Intake:
         prompt_param: str = "input_ids",
         max_tokens_param: str = "max_new_tokens",
         reasoning_end_ids: list[int] | None = None,
+        reasoning_start_ids: list[int] | None = None,
     ) -> GenerateRequest:
         """The request for checked prompt ids and validated params: the checks that need the
         prompt's length (against the context and --max-prompt-tokens; an explicit max_new_tokens
@@ -231,6 +232,7 @@ class Intake:
             top_logprobs_num=top_logprobs_num,
             namespace=namespace,
             reasoning_end_ids=reasoning_end_ids,
+            reasoning_start_ids=reasoning_start_ids or None,
         )
 
 

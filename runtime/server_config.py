@@ -61,7 +61,9 @@ class ServerConfig(EngineConfig):
         choices=REASONING_PARSERS,
     )
     reasoning_start: str | None = option(
-        None, "generic reasoning parser: the start marker (omitted: the output begins thinking)"
+        None,
+        "generic reasoning parser: the start marker, which an output may write to open its "
+        "thinking (omitted: the output begins thinking)",
     )
     reasoning_end: str | None = option(None, "generic reasoning parser: the end marker")
     enable_metrics: bool = option(False, "serve Prometheus /metrics")

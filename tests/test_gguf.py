@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from weft.runtime.loaders.gguf_convert import (
     llama3_rope_from_factors,
     unpermute_rows,
 )
+from weft.runtime.model_config import ModelConfig
 
 from conftest import fixture_path, make_engine
 from hf_models import hf_greedy
@@ -271,8 +273,10 @@ def write_gguf(
     arch: str = "llama",
     vocab: Path | None = None,
     key_length: bool = False,
+    window: int | None = None,
 ) -> None:
-    """`model` as a GGUF file; `qtype(gguf_name)` picks each tensor's type."""
+    """`model` as a GGUF file; `qtype(gguf_name)` picks each tensor's type; `window`: a llama
+    file's `llama.attention.sliding_window` (llama.cpp writes none)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -288,6 +292,8 @@ def write_gguf(
     if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if window is not None:
+        w.add_sliding_window(window)
     w.add_rope_dimension_count(head_dim)
     if key_length:
         w.add_key_length(head_dim)
@@ -539,6 +545,41 @@ def test_f32_config(f32_case):
     assert not (folder / "model.safetensors.index.json").exists()
     marker = json.loads((folder / MARKER).read_text())
     assert marker["dtype"] == "float32" and marker["source"].endswith("tiny-f32.gguf")
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_llama_files_sliding_window_or_none(tmp_path, spm_vocab, caplog, window):
+    """llama.cpp writes no window for Mistral: a llama file is full attention (logged at each
+    load, cached too); one that states `llama.attention.sliding_window` is Mistral with it."""
+    model = tiny_llama(32000, head_dim=None, scaling=None, tied=True)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model, lambda _: Q.F32, vocab=spm_vocab, window=window)
+    with caplog.at_level(logging.INFO, logger="weft"):
+        folder = convert_gguf(path, tmp_path / "cache", torch.float32)
+        assert convert_gguf(path, tmp_path / "cache", torch.float32) == folder  # cached
+    config = json.loads((folder / "config.json").read_text())
+    notes = [r.getMessage() for r in caplog.records if "sliding window" in r.getMessage()]
+    cfg = ModelConfig.from_dict(config)
+    if window is None:
+        assert config["architectures"] == ["LlamaForCausalLM"] and "sliding_window" not in config
+        assert (
+            notes
+            == [
+                "tiny.gguf: a llama GGUF carries no sliding window: full attention in "
+                "every layer (a Mistral 7B v0.1 needs its window from an HF config.json: "
+                "serve that folder)"
+            ]
+            * 2
+        )
+        assert [cfg.layer_window(i) for i in range(2)] == [None, None]
+    else:
+        assert (config["architectures"], config["model_type"]) == (
+            ["MistralForCausalLM"],
+            "mistral",
+        )
+        assert config["sliding_window"] == 4
+        assert notes == ["tiny.gguf: sliding window 4 from the GGUF"] * 2
+        assert [cfg.layer_window(i) for i in range(2)] == [4, 4]
 
 
 def test_mixed_weights_within_quantisation_error(mixed_case):

@@ -7,6 +7,7 @@ import pytest
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.errors import ApiError
 from weft.runtime.server.reasoning import (
+    MarkerIds,
     ReasoningParser,
     marker_ids,
     reasoning_format,
@@ -146,17 +147,36 @@ def test_the_marker_is_tokenized_as_written_mid_text(stories_dir):
     dot = reasoning_format("generic", None, ".")
     # sentencepiece starts a text with a word boundary ("▁" "."): not how "." follows a word
     assert tokenizer.encode(".", add_special_tokens=False) == [410, 426]
-    assert marker_ids(tokenizer, dot) == [426]
-    assert marker_ids(None, dot) == [] and marker_ids(tokenizer, None) == []
+    assert marker_ids(tokenizer, dot) == MarkerIds([426], [])
+    assert marker_ids(None, dot) == MarkerIds([], []) == marker_ids(tokenizer, None)
+    opens = reasoning_format("generic", ".", ".")
+    assert marker_ids(tokenizer, opens) == MarkerIds([426], [426])
 
 
 def test_only_a_constraint_or_a_budget_takes_the_thinking_phase():
     plain, regex = SamplingParams(), SamplingParams(regex="a")
     budget = SamplingParams(thinking_budget=0)
-    assert thinking_phase([7], True, plain, "thinking_budget") is None
-    assert thinking_phase([7], True, regex, "thinking_budget") == [7]
-    assert thinking_phase([7], True, budget, "thinking_budget") == [7]
-    assert thinking_phase([7], False, regex, "thinking_budget") is None  # begins in the answer
-    with pytest.raises(ApiError) as err:
-        thinking_phase([7], False, budget, "sampling_params.thinking_budget")
-    assert err.value.param == "sampling_params.thinking_budget"
+    ids = MarkerIds([7], [5, 6])
+    assert thinking_phase(ids, "thinking", plain, "thinking_budget") is None
+    assert thinking_phase(ids, "thinking", regex, "thinking_budget") == MarkerIds([7], [])
+    assert thinking_phase(ids, "thinking", budget, "thinking_budget") == MarkerIds([7], [])
+    # before the thinking, free to open it: the start marker's ids come along
+    assert thinking_phase(ids, "opens", plain, "thinking_budget") is None
+    assert thinking_phase(ids, "opens", regex, "thinking_budget") == ids
+    assert thinking_phase(ids, "opens", budget, "thinking_budget") == ids
+    assert thinking_phase(ids, "answer", regex, "thinking_budget") is None  # begins in the answer
+    for markers, start in [(ids, "answer"), (MarkerIds([7], []), "opens")]:
+        with pytest.raises(ApiError) as err:
+            thinking_phase(markers, start, budget, "sampling_params.thinking_budget")
+        assert err.value.param == "sampling_params.thinking_budget"
+
+
+def test_where_an_output_begins_for_generation():
+    generic = reasoning_format("generic", "[[", "]]")
+    assert generic.opens and not reasoning_format("generic", None, "]]").opens
+    assert generic.output_start("q [[\n") == "thinking"
+    assert generic.output_start("q") == "opens"
+    assert generic.output_start("q [[ x ]]") == "opens"  # the parser reads a new block too
+    assert reasoning_format("generic", None, "]]").output_start("q") == "thinking"
+    qwen3 = reasoning_format("qwen3")
+    assert qwen3.output_start("<|im_start|>assistant\n", thinking=False) == "answer"

@@ -66,3 +66,37 @@ def test_the_gap_takes_whitespace_until_other_text_or_its_limit():
     ]
     fresh = phase.fresh()
     assert fresh.free and fresh.tokens == 0 and fresh.end_ids == (END,)
+
+
+START = (3, 4)  # a two-token start marker the output may write to open the thinking
+
+
+def test_the_start_marker_opens_the_thinking_and_is_finished_once_begun():
+    phase = Thinking((END,), budget=1, start_ids=START)
+    assert phase.opening and not phase.free and not phase.ended
+    assert phase.may_open() == 3 and phase.forced() is None  # a choice beside the grammar's
+    assert phase.open(3)
+    assert phase.may_open() is None and phase.forced() == 4  # begun: finished
+    assert phase.open(4)
+    assert phase.free and not phase.opening and phase.tokens == 0
+    # the budget counts from here: one token of thinking, then the end marker
+    assert phase.forced() is None
+    phase.observe(1)
+    assert phase.forced() == END
+    assert phase.observe(END) and phase.in_gap
+
+
+def test_another_first_token_begins_the_answer_without_thinking():
+    phase = Thinking((END,), budget=0, start_ids=START)
+    assert not phase.open(7)
+    assert phase.ended and not phase.opening and not phase.free
+    assert not phase.in_gap and phase.forced() is None  # no gap: the grammar from this token
+    assert not phase.take_gap(True)
+    with pytest.raises(AssertionError):
+        Thinking((END,), start_ids=START).observe(1)  # not thinking before the marker
+    begun = Thinking((END,), start_ids=START)
+    begun.open(3)
+    with pytest.raises(AssertionError, match="forced"):
+        begun.open(7)
+    fresh = begun.fresh()
+    assert fresh.opening and fresh.opened == 0 and fresh.start_ids == START

@@ -9,6 +9,13 @@ The engine's HF loader then reads the folder like any checkpoint. Layout of the 
 
 Tensors are dequantized one at a time (large ones in row chunks) and streamed straight into
 the safetensors files, so peak memory stays near one chunk, not one model.
+
+Sliding windows: gemma3 files state theirs (`gemma3.attention.sliding_window`). NOTE: llama.cpp's
+llama arch has no window (its converter writes none for Mistral, its loader reads none), so a
+Mistral 7B v0.1 GGUF (window 4096) reads as Llama with full attention in every layer, which
+differs from the model past 4096 tokens: the window must come from an HF config (serve the HF
+folder). A llama file that does state `llama.attention.sliding_window` (the key of the arches
+that have one) converts to Mistral with that window. Each load of a llama file logs which.
 """
 
 from __future__ import annotations
@@ -132,6 +139,7 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) ->
     out = Path(cache_root) / f"{src.stem}-{_source_key(src, stat)}-{marker['dtype']}"
     if _read_json(out / MARKER) == marker:
         logger.info("using converted model cached at %s", out)
+        _log_window(src, _read_json(out / "config.json"))
         return out
 
     reader = _open_reader(src)
@@ -154,7 +162,21 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) ->
         # NOTE: an interrupted conversion leaves no folder under the final name.
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s; cached at %s", src.name, out)
+    _log_window(src, config)
     return out
+
+
+def _log_window(src: Path, config: dict[str, Any]) -> None:
+    """A llama file's attention at load: its window, or none (see the module docstring)."""
+    arch = config["architectures"][0]
+    if arch == "MistralForCausalLM":
+        logger.info("%s: sliding window %d from the GGUF", src.name, config["sliding_window"])
+    elif arch == "LlamaForCausalLM":
+        logger.info(
+            "%s: a llama GGUF carries no sliding window: full attention in every layer (a "
+            "Mistral 7B v0.1 needs its window from an HF config.json: serve that folder)",
+            src.name,
+        )
 
 
 # -- cache ---------------------------------------------------------------------------------------
@@ -319,6 +341,11 @@ def _hf_config(
         config["pad_token_id"] = pad
     if arch == "gemma3":
         config.update(_gemma3_config(reader, src, config))
+    window = _meta(reader, f"{arch}.attention.sliding_window", src, None)
+    if arch == "llama" and window:  # (0: none)
+        config.update(
+            architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=int(window)
+        )
     return config | moe
 
 

@@ -20,6 +20,9 @@ class GenerateRequest(msgspec.Struct, array_like=True):
     # marker): the constraint holds the answer after them, params.thinking_budget counts the
     # tokens before them (weft.runtime.thinking). None: no thinking phase.
     reasoning_end_ids: list[int] | None = None
+    # with reasoning_end_ids: the output begins before the thinking, and opens it if it writes
+    # these tokens (the reasoning start marker) first. None: it begins in the thinking.
+    reasoning_start_ids: list[int] | None = None
 
 
 class Generate(msgspec.Struct, tag="generate"):

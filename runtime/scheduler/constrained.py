@@ -39,13 +39,17 @@ Masked = tuple[torch.Tensor, list[Req], tuple[torch.Tensor, list[int]] | None, l
 
 
 def _masked(req: Req) -> bool:
-    """Whether the request's row gets a mask: its grammar once past the thinking, or the end
-    marker forced at the end of the thinking budget. A thinking row is free: no row at all
-    (the cheapest for the batched fill, and the sampler skips rows it does not constrain)."""
+    """Whether the request's row gets a mask: its grammar once past the thinking (or at the
+    output's first token, with the start marker's first token beside it), or a marker token
+    forced (a start marker begun, the end marker at the end of the thinking budget). A
+    thinking row is free: no row at all (the cheapest for the batched fill, and the sampler
+    skips rows it does not constrain)."""
     thinking = req.thinking
     if thinking is None or thinking.ended:
         return req.grammar is not None
-    return thinking.forced() is not None
+    if thinking.forced() is not None:
+        return True
+    return thinking.opening and req.grammar is not None
 
 
 def _forced(req: Req) -> int | None:
@@ -210,15 +214,21 @@ class Constrained:
     def _fill_thinking(
         self, reqs: list[Req], grammar_rows: list[int], forced: list[int], bitmask: torch.Tensor
     ) -> None:
-        """The thinking phase's rows: a request past its thinking budget may sample only the
-        end marker's next token; one in the gap after the marker may also write whitespace
-        (weft.runtime.thinking)."""
+        """The thinking phase's rows: a request writing a start marker, or past its thinking
+        budget, may sample only the marker's next token; one at the output's first token may
+        also open the thinking (the start marker's first token); one in the gap after the end
+        marker may also write whitespace (weft.runtime.thinking)."""
         if forced:
             bitmask[forced] = 0
             for i in forced:
                 token = _forced(reqs[i])
                 assert token is not None
                 set_bits_rows(bitmask, [i], [token], [True])
+        for i in grammar_rows:
+            thinking = reqs[i].thinking
+            start = thinking.may_open() if thinking is not None else None
+            if start is not None:
+                set_bits_rows(bitmask, [i], [start], [True])
         gap = [i for i in grammar_rows if (t := reqs[i].thinking) is not None and t.in_gap]
         if gap:
             bitmask[gap] |= self.whitespace_row
@@ -305,6 +315,19 @@ class Constrained:
         if req.finished or not thinking.observe(token) or req.grammar is None:
             return
         self._draft(req)
+
+    def open(
+        self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None
+    ) -> bool:
+        """A token of the opening phase (weft.runtime.thinking): the start marker's is output
+        as it is (True; the thinking begins after its last); any other ends the phase without
+        thinking (False), and the caller appends it as the answer's first token."""
+        thinking = req.thinking
+        assert thinking is not None and thinking.opening
+        if not thinking.open(token):
+            return False
+        self.output.append_token(req, token, logprob, top)
+        return True
 
     def append(
         self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None

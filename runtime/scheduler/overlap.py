@@ -99,6 +99,12 @@ def read_tokens(flight: InFlight, constrained: Constrained) -> list[Req]:
             token = constrained.take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
         if draft is not None and req.finished:
             pass  # it ended among the draft tokens it kept
+        elif (
+            req.thinking is not None
+            and req.thinking.opening
+            and constrained.open(req, token, logprob, top)
+        ):
+            pass  # a start marker token (else the answer begins with it: appended below)
         elif req.thinking is not None and req.thinking.free:
             # NOTE: the marker's last token switches the phase here, before the next step's
             # masks are filled (`Scheduler._run` reads back before it launches the sampling)

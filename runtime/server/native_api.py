@@ -114,9 +114,8 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
         budget = sp.thinking_budget
         asks = bool(obj.separate_reasoning) or budget is not None
         prompt_end = _prompt_end(tm, ids) if fmt and asks else ""
-        thinks = fmt is not None and asks and fmt.starts_in_reasoning(prompt_end)
-        marker = tm.reasoning_end_ids if thinks else []
-        end_ids = thinking_phase(marker, thinks, sp, f"{where}.thinking_budget")
+        begins = fmt.output_start(prompt_end) if fmt is not None and asks else "answer"
+        phase = thinking_phase(tm.reasoning_ids, begins, sp, f"{where}.thinking_budget")
         reqs.append(
             tm.build_request(
                 ids,
@@ -128,7 +127,8 @@ def parse_generate(body: bytes, tm: TokenizerManager, tenant: str | None = None)
                 prompt_param="input_ids" if obj.text is None else "text",
                 cache_salt=obj.cache_salt,
                 tenant=tenant,
-                reasoning_end_ids=end_ids,
+                reasoning_end_ids=phase.end if phase else None,
+                reasoning_start_ids=phase.start if phase else None,
             )
         )
         rid = reqs[-1].rid

@@ -38,7 +38,7 @@ from weft.runtime.server.openai_protocol import (
     CompletionRequest,
     _SamplingFields,
 )
-from weft.runtime.server.reasoning import plan_reasoning, thinking_phase
+from weft.runtime.server.reasoning import MarkerIds, plan_reasoning, thinking_phase
 from weft.runtime.server.responses import client_gone, json_response
 from weft.runtime.server.sglang_params import check_constraint
 from weft.runtime.server.tokenizer_manager import TokenizerManager
@@ -215,9 +215,8 @@ def _chat_job(
     # NOTE: the thinking is free (a tool call written inside it is thinking, never parsed); the
     # constraint (the tools' structural tag too) holds the answer after the end marker. The
     # phase does not depend on separate_reasoning, which only chooses how the text comes back.
-    thinks = fmt is not None and fmt.starts_in_reasoning(prompt, thinking)
-    marker = tm.reasoning_end_ids if thinks else []
-    end_ids = thinking_phase(marker, thinks, params, "thinking_budget")
+    begins = fmt.output_start(prompt, thinking) if fmt is not None else "answer"
+    phase = thinking_phase(tm.reasoning_ids, begins, params, "thinking_budget")
     gen = tm.build_request(
         ids,
         params,
@@ -229,7 +228,8 @@ def _chat_job(
         max_tokens_param=max_tokens_param,
         cache_salt=req.cache_salt,
         tenant=tenant,
-        reasoning_end_ids=end_ids,
+        reasoning_end_ids=phase.end if phase else None,
+        reasoning_start_ids=phase.start if phase else None,
     )
     # NOTE: submitted after every spec check: parse_off_loop may run this twice
     states = tm.submit([gen], stream=bool(req.stream), api="openai.chat", tenant=tenant)
@@ -284,7 +284,7 @@ def _completion_job(req: CompletionRequest, tm: TokenizerManager, tenant: str | 
         params, explicit = _sampling(
             req, tm, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
-        thinking_phase([], False, params, "thinking_budget")  # no split here
+        thinking_phase(MarkerIds([], []), "answer", params, "thinking_budget")  # no split here
         gens.append(
             tm.build_request(
                 ids,

@@ -25,16 +25,21 @@ it is decided or the output ends. The whole-text split is the stream's, fed at o
 Generation follows the same split (`thinking_phase`): a request whose output begins in the
 thinking carries the end marker's token ids to the scheduler, where a constraint (json_schema,
 regex, response_format, tool_choice required ...) holds only the answer after the marker and
-thinking_budget bounds the thinking (weft.runtime.thinking). A chat request has the phase
-where the rendered prompt leaves the thinking open (whatever separate_reasoning says: it only
-chooses how the text comes back); a native /generate one only where it asks for the split
-(separate_reasoning) or a thinking_budget: otherwise a native constraint holds the whole output,
-as it always did. A request with neither a constraint nor a budget goes without it.
+thinking_budget bounds the thinking (weft.runtime.thinking). With the generic parser's start
+marker, an output that does not begin in the thinking may open it, as the split reads a marker
+at its start: such a request carries the start marker's ids too, and its first token is the
+marker's (which opens the thinking, the rest of the marker forced) or the constraint's (the
+answer, no thinking). A chat request has the phase where the rendered prompt leaves the thinking
+open, or may open it (whatever separate_reasoning says: it only chooses how the text comes
+back); a native /generate one only where it asks for the split (separate_reasoning) or a
+thinking_budget: otherwise a native constraint holds the whole output, as it always did. A
+request with neither a constraint nor a budget goes without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
@@ -43,6 +48,9 @@ from weft.runtime.server.errors import bad_request
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "generic")
 THINK = ("<think>", "</think>")
+# where an output begins: in the thinking; before it, free to open it with the start marker;
+# in the answer
+OutputStart = Literal["thinking", "opens", "answer"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,9 @@ class ReasoningFormat:
     end: str
     forced: bool  # an output without the start marker begins in the thinking
     thinking_switch: bool = False  # chat_template_kwargs enable_thinking false: not forced
+    # an output that does not begin in the thinking may open it with the start marker, and
+    # generation lets it (the generic parser with a start marker)
+    opens: bool = False
 
     def __post_init__(self) -> None:
         if not self.end:
@@ -71,6 +82,12 @@ class ReasoningFormat:
             return False
         return self.forced
 
+    def output_start(self, prompt: str, thinking: bool | None = None) -> OutputStart:
+        """Where an output of this prompt begins, for generation (`thinking_phase`)."""
+        if self.starts_in_reasoning(prompt, thinking):
+            return "thinking"
+        return "opens" if self.opens else "answer"
+
 
 def reasoning_format(
     name: str, start: str | None = None, end: str | None = None
@@ -83,7 +100,7 @@ def reasoning_format(
     if name == "generic":
         if not end:
             raise ValueError("reasoning_parser generic needs reasoning_end (the end marker)")
-        return ReasoningFormat(name, start or "", end, forced=not start)
+        return ReasoningFormat(name, start or "", end, forced=not start, opens=bool(start))
     raise ValueError(
         f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {name!r}"
     )
@@ -231,38 +248,55 @@ def plan_reasoning(
     return ReasoningPlan(fmt, in_reasoning, stream_reasoning is not False)
 
 
-def marker_ids(tokenizer: PreTrainedTokenizerBase | None, fmt: ReasoningFormat | None) -> list[int]:
-    """The end marker's token ids as the model writes it mid-text ([]: no parser or tokenizer).
+@dataclass(frozen=True)
+class MarkerIds:
+    """Reasoning markers as token ids: what a thinking request carries to the scheduler."""
 
-    NOTE: tokenized behind a newline, then the newline's tokens cut off: a sentencepiece
+    end: list[int]
+    start: list[int]  # the output opens the thinking with these ([]: it begins in it)
+
+
+def marker_ids(tokenizer: PreTrainedTokenizerBase | None, fmt: ReasoningFormat | None) -> MarkerIds:
+    """The markers' token ids as the model writes them mid-text ([]: no parser, tokenizer or
+    start marker)."""
+    if fmt is None or tokenizer is None:
+        return MarkerIds([], [])
+    start = _text_ids(tokenizer, fmt.start) if fmt.start else []
+    return MarkerIds(_text_ids(tokenizer, fmt.end), start)
+
+
+def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """NOTE: tokenized behind a newline, then the newline's tokens cut off: a sentencepiece
     tokenizer encodes a text's start with a word-boundary prefix ("▁.") that a marker written
     after other text does not have. Qwen3's `</think>` is one special token either way."""
-    if fmt is None or tokenizer is None:
-        return []
     base = tokenizer.encode("\n", add_special_tokens=False)
-    ids = tokenizer.encode("\n" + fmt.end, add_special_tokens=False)
+    ids = tokenizer.encode("\n" + text, add_special_tokens=False)
     if ids[: len(base)] == base and len(ids) > len(base):
         return list(ids[len(base) :])
-    return list(tokenizer.encode(fmt.end, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def thinking_phase(
-    end_ids: list[int], thinks: bool, params: SamplingParams, param: str
-) -> list[int] | None:
-    """The end marker ids a request carries to the scheduler (None: no thinking phase).
-    `thinks`: its output begins in the thinking. Only a constraint or a thinking_budget needs
+    markers: MarkerIds, start: OutputStart, params: SamplingParams, param: str
+) -> MarkerIds | None:
+    """The marker ids a request carries to the scheduler (None: no thinking phase). `start`:
+    where its output begins (`ReasoningFormat.output_start`); one that "opens" carries the start
+    marker's ids too, one in the "thinking" none. Only a constraint or a thinking_budget needs
     the phase (the scheduler watches every token of a thinking request); a thinking_budget
     (`param` as the caller spells it) without a thinking phase is a 400."""
     budget = params.thinking_budget
     needed = budget is not None or params.constraint is not None or params.grammar is not None
-    if thinks and end_ids:
-        return end_ids if needed else None
+    if start == "thinking" and markers.end:
+        return MarkerIds(markers.end, []) if needed else None
+    if start == "opens" and markers.end and markers.start:
+        return markers if needed else None
     if budget is not None:
         raise bad_request(
-            f"{param} needs an output that begins in the thinking: a server started with "
-            "--reasoning-parser, and a prompt that leaves the thinking open (not Qwen3's "
-            'chat_template_kwargs {"enable_thinking": false}; on /generate, with '
-            "separate_reasoning or the budget, a prompt the parser reads as thinking)",
+            f"{param} needs an output that begins in the thinking, or may open it: a server "
+            "started with --reasoning-parser, and a prompt that leaves the thinking open (not "
+            'Qwen3\'s chat_template_kwargs {"enable_thinking": false}; on /generate, with '
+            "separate_reasoning or the budget, a prompt the parser reads as thinking), or a "
+            "generic parser with a --reasoning-start the output may write",
             param,
         )
     return None

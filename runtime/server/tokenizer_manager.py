@@ -84,8 +84,8 @@ class TokenizerManager:
         self._queries: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._query_ids = itertools.count(1)
         self.token_text = TokenTexts(tokenizer)  # a token's text, for logprobs
-        # the reasoning end marker's ids, which a thinking request carries to the scheduler
-        self.reasoning_end_ids = marker_ids(tokenizer, config.reasoning_format)
+        # the reasoning markers' ids, which a thinking request carries to the scheduler
+        self.reasoning_ids = marker_ids(tokenizer, config.reasoning_format)
         self._recv_task: asyncio.Task[None] | None = None
         bounds = Bounds(
             vocab_size=info.vocab_size,
