@@ -309,24 +309,25 @@ class GrammarManager:
         by_backend: dict[str, list[int]] = {}
         for i, grammar in enumerate(grammars):
             by_backend.setdefault(grammar.backend_name, []).append(i)
+        can_end = [False] * len(grammars)
         for members in by_backend.values():
             backend = grammars[members[0]].compiled.backend
-            fill_many = getattr(backend, "fill_many", None)
-            if fill_many is not None and len(members) > 1:
-                fill_many(
-                    [grammars[i].matcher for i in members], bitmask, [rows[i] for i in members]
-                )
+            matchers = [grammars[i].matcher for i in members]
+            member_rows = [rows[i] for i in members]
+            if len(members) > 1:
+                backend.fill_many(matchers, bitmask, member_rows)
             else:
-                for i in members:
-                    grammars[i].matcher.fill_bitmask(bitmask, rows[i])
+                matchers[0].fill_bitmask(bitmask, member_rows[0])
+            for i, end in zip(members, backend.can_end_many(matchers, bitmask, member_rows)):
+                can_end[i] = end
         # end tokens: allowed exactly where the grammar may end (rows grouped by end-token list)
         by_ends: dict[tuple[int, ...], tuple[list[int], list[bool]]] = {}
-        for grammar, row in zip(grammars, rows, strict=True):
+        for grammar, row, end in zip(grammars, rows, can_end, strict=True):
             group = by_ends.setdefault(tuple(grammar.end_ids), ([], []))
             group[0].append(row)
-            group[1].append(grammar.matcher.can_end(bitmask, row))
-        for ends, (group_rows, can_end) in by_ends.items():
-            set_bits_rows(bitmask, group_rows, list(ends), can_end)
+            group[1].append(end)
+        for ends, (group_rows, flags) in by_ends.items():
+            set_bits_rows(bitmask, group_rows, list(ends), flags)
 
     def fill_draft(
         self, grammar: RequestGrammar, draft: list[int], bitmask: torch.Tensor, row: int

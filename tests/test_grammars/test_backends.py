@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from weft.grammars.bitmask import allocate_bitmask, allowed_ids, bit_is_set
 from weft.grammars.manager import GrammarError, GrammarManager, RequestGrammar
@@ -315,3 +316,27 @@ def test_a_bad_ebnf_is_refused_by_every_backend_with_its_reason(stories_tokenize
     assert message.startswith("cannot compile the ebnf: xgrammar: ")
     assert "; llguidance: not a valid EBNF grammar: " in message
     assert "; outlines: outlines-core cannot compile EBNF" in message
+
+
+@pytest.mark.parametrize("backend", list(SUPPORTED))
+def test_a_batched_fill_equals_row_by_row_fills(managers, qwen_tokenizer, backend):
+    """Several grammars, each some tokens into its output, filled in one call (the backend's
+    parallel batch) into scattered rows: every row, and its end-token bits, as filled alone."""
+    manager = managers[backend]
+    grammars, rows = [], []
+    for n, kind in enumerate(sorted(SUPPORTED[backend])):
+        spec, good, _ = CASES[kind]
+        ids = qwen_tokenizer.encode(good, add_special_tokens=False)
+        for cut in (0, len(ids) // 2, len(ids)):  # at the start, inside, where it may end
+            grammar = RequestGrammar(manager.compile(spec), QWEN_END_IDS)
+            for tid in ids[:cut]:
+                assert grammar.accept(tid)
+            grammars.append(grammar)
+            rows.append(2 * len(rows) + n % 2)
+    batched = allocate_bitmask(2 * len(rows) + 1, QWEN_VOCAB)
+    manager.fill(grammars, batched, rows)
+    for grammar, row in zip(grammars, rows, strict=True):
+        alone = allocate_bitmask(1, QWEN_VOCAB)
+        manager.fill([grammar], alone, [0])
+        assert torch.equal(batched[row], alone[0]), (backend, row)
+    assert sum(bit_is_set(batched, r, QWEN_END_IDS[0]) for r in rows) == len(SUPPORTED[backend])
