@@ -318,25 +318,38 @@ def test_a_bad_ebnf_is_refused_by_every_backend_with_its_reason(stories_tokenize
     assert "; outlines: outlines-core cannot compile EBNF" in message
 
 
-@pytest.mark.parametrize("backend", list(SUPPORTED))
-def test_a_batched_fill_equals_row_by_row_fills(managers, qwen_tokenizer, backend):
-    """Several grammars, each some tokens into its output, filled in one call (the backend's
-    parallel batch) into scattered rows: every row, and its end-token bits, as filled alone."""
-    manager = managers[backend]
-    grammars, rows = [], []
-    for n, kind in enumerate(sorted(SUPPORTED[backend])):
+def _grammars_at_three_points(manager, tokenizer, kinds):
+    """A grammar per kind and cut: at the start of its output, inside it, where it may end."""
+    grammars = []
+    for kind in sorted(kinds):
         spec, good, _ = CASES[kind]
-        ids = qwen_tokenizer.encode(good, add_special_tokens=False)
-        for cut in (0, len(ids) // 2, len(ids)):  # at the start, inside, where it may end
+        ids = tokenizer.encode(good, add_special_tokens=False)
+        for cut in (0, len(ids) // 2, len(ids)):
             grammar = RequestGrammar(manager.compile(spec), QWEN_END_IDS)
             for tid in ids[:cut]:
                 assert grammar.accept(tid)
             grammars.append(grammar)
-            rows.append(2 * len(rows) + n % 2)
+    return grammars
+
+
+@pytest.mark.parametrize("backend", [*SUPPORTED, "all at once"])
+def test_a_batched_fill_equals_row_by_row_fills(managers, qwen_tokenizer, backend):
+    """Grammars some tokens into their outputs, filled in one call (each backend's parallel
+    batch; the backends' batches side by side) into scattered rows: every row, with its
+    end-token bits, as filled alone."""
+    names = list(SUPPORTED) if backend == "all at once" else [backend]
+    grammars = [
+        g
+        for name in names
+        for g in _grammars_at_three_points(managers[name], qwen_tokenizer, SUPPORTED[name])
+    ]
+    rows = [2 * i + i % 2 for i in range(len(grammars))]
+    manager = managers[names[0]]
     batched = allocate_bitmask(2 * len(rows) + 1, QWEN_VOCAB)
     manager.fill(grammars, batched, rows)
     for grammar, row in zip(grammars, rows, strict=True):
         alone = allocate_bitmask(1, QWEN_VOCAB)
         manager.fill([grammar], alone, [0])
-        assert torch.equal(batched[row], alone[0]), (backend, row)
-    assert sum(bit_is_set(batched, r, QWEN_END_IDS[0]) for r in rows) == len(SUPPORTED[backend])
+        assert torch.equal(batched[row], alone[0]), (grammar.backend_name, row)
+    ends = sum(len(SUPPORTED[name]) for name in names)  # one cut per kind is a whole output
+    assert sum(bit_is_set(batched, r, QWEN_END_IDS[0]) for r in rows) == ends
