@@ -8,6 +8,7 @@ the layout and its helpers).
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -15,6 +16,10 @@ import torch
 
 from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
+
+# Threads a backend fills a batch of rows with (xgrammar's and llguidance's pools, each
+# parallel over rows, native code without the GIL).
+FILL_THREADS = min(8, os.cpu_count() or 1)
 
 
 class GrammarUnsupported(Exception):
@@ -64,3 +69,14 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> Matcher:
         """A fresh matcher at the start of the grammar."""
+
+    def fill_many(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill rows[i] for matchers[i] (a backend with a parallel batch fill overrides it)."""
+        for matcher, row in zip(matchers, rows, strict=True):
+            matcher.fill_bitmask(bitmask, row)
+
+    def can_end_many(
+        self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]
+    ) -> list[bool]:
+        """can_end of each matcher at its filled row."""
+        return [m.can_end(bitmask, row) for m, row in zip(matchers, rows, strict=True)]

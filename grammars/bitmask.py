@@ -44,6 +44,13 @@ def bit_is_set(bitmask: torch.Tensor, row: int, tid: int) -> bool:
     return bool((int(bitmask.numpy()[row, word]) >> bit) & 1)
 
 
+def bits_set(bitmask: torch.Tensor, rows: list[int], tid: int) -> list[bool]:
+    """bit_is_set for several rows of a CPU bitmask at once."""
+    word, bit = divmod(tid, 32)
+    values = bitmask.numpy()[np.asarray(rows, dtype=np.int64), word]
+    return ((values >> bit) & 1).astype(bool).tolist()
+
+
 def allowed_ids(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
     """The token ids whose bit is set (for tests and debugging)."""
     allowed = allowed_tokens(bitmask[row : row + 1], None, vocab_size)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
+from weft.grammars.base import FILL_THREADS, GrammarBackend, GrammarUnsupported, Matcher
 from weft.grammars.ebnf import choices_lark, ebnf_literal
 from weft.grammars.schema_keywords import (
     LLGUIDANCE,
@@ -125,6 +125,7 @@ class LLGuidanceBackend(GrammarBackend):
             for tid, t in vocab.tokenizer.added_tokens_decoder.items()
             if tid < vocab.size and vocab.token_bytes[tid] is not None
         }
+        self._executor: Any = None
 
     def compile(self, spec: GrammarSpec) -> Any:
         found = spec_refusals(spec.kind, spec.value, LLGUIDANCE)
@@ -172,6 +173,18 @@ class LLGuidanceBackend(GrammarBackend):
         except (ValueError, RuntimeError) as exc:
             raise GrammarUnsupported(str(exc).splitlines()[0][:500]) from None
         raise GrammarUnsupported(f"llguidance does not compile {spec.kind}")
+
+    def fill_many(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill several rows in one call, spread over llguidance's threads (without the GIL)."""
+        if self._executor is None:
+            self._executor = self.llg.LLExecutor(FILL_THREADS)
+        # NOTE: the executor writes row K at data_ptr + K * row bytes: rows of one contiguous
+        # int32 tensor, as allocate_bitmask makes them (a row slice of it stays contiguous)
+        assert bitmask.is_contiguous() and bitmask.dtype == torch.int32 and not bitmask.is_cuda
+        pairs = [(m.inner, row) for m, row in zip(matchers, rows, strict=True)]  # type: ignore[attr-defined]
+        self._executor.unsafe_compute_mask_ptr(
+            pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+        )
 
     def matcher(self, compiled: Any) -> Matcher:
         matcher = self.llg.LLMatcher(self.tokenizer, compiled, log_level=0)

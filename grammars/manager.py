@@ -18,6 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -213,6 +214,8 @@ class GrammarManager:
         # then the spec should fail after the timeout: those threads may never come back.
         self._chains = DaemonPool(workers, "weft-grammar-chain")
         self._compiles = DaemonPool(workers + SPARE_COMPILE_THREADS, "weft-grammar")
+        # a step's mask fill: the batches of the backends after the first (see `fill`)
+        self._fills = DaemonPool(len(self.order) - 1 or 1, "weft-grammar-fill")
 
     @property
     def vocab(self) -> TokenVocab:
@@ -305,28 +308,39 @@ class GrammarManager:
             return backend
 
     def fill(self, grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Fill the given rows of a CPU int32 bitmask, batched per backend where it can."""
+        """Fill the given rows of a CPU int32 bitmask, batched per backend where it can; the
+        backends' batches run at once (each on its own native threads, without the GIL)."""
         by_backend: dict[str, list[int]] = {}
         for i, grammar in enumerate(grammars):
             by_backend.setdefault(grammar.backend_name, []).append(i)
-        for members in by_backend.values():
-            backend = grammars[members[0]].compiled.backend
-            fill_many = getattr(backend, "fill_many", None)
-            if fill_many is not None and len(members) > 1:
-                fill_many(
-                    [grammars[i].matcher for i in members], bitmask, [rows[i] for i in members]
-                )
-            else:
-                for i in members:
-                    grammars[i].matcher.fill_bitmask(bitmask, rows[i])
+        groups = [
+            (
+                grammars[m[0]].compiled.backend,
+                [grammars[i].matcher for i in m],
+                [rows[i] for i in m],
+            )
+            for m in by_backend.values()
+        ]
+        others = [self._fills.submit(_fill_group, *group, bitmask) for group in groups[1:]]
+        try:
+            done = [_fill_group(*groups[0], bitmask)]
+        finally:
+            # NOTE: no backend may still write into the bitmask once this returns or raises
+            # (the caller refills rows one by one after a failure)
+            futures.wait(others)
+        done += [job.result() for job in others]
+        can_end = [False] * len(grammars)
+        for members, flags in zip(by_backend.values(), done, strict=True):
+            for i, end in zip(members, flags, strict=True):
+                can_end[i] = end
         # end tokens: allowed exactly where the grammar may end (rows grouped by end-token list)
         by_ends: dict[tuple[int, ...], tuple[list[int], list[bool]]] = {}
-        for grammar, row in zip(grammars, rows, strict=True):
+        for grammar, row, end in zip(grammars, rows, can_end, strict=True):
             group = by_ends.setdefault(tuple(grammar.end_ids), ([], []))
             group[0].append(row)
-            group[1].append(grammar.matcher.can_end(bitmask, row))
-        for ends, (group_rows, can_end) in by_ends.items():
-            set_bits_rows(bitmask, group_rows, list(ends), can_end)
+            group[1].append(end)
+        for ends, (group_rows, flags) in by_ends.items():
+            set_bits_rows(bitmask, group_rows, list(ends), flags)
 
     def fill_draft(
         self, grammar: RequestGrammar, draft: list[int], bitmask: torch.Tensor, row: int
@@ -348,6 +362,7 @@ class GrammarManager:
     def shutdown(self) -> None:
         self._chains.shutdown()
         self._compiles.shutdown()
+        self._fills.shutdown()
 
 
 _COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*\d*\s*)?\}")  # a repetition: {n}, {n,} or {n,m}
@@ -432,3 +447,14 @@ def _cut_at_char(data: bytes, limit: int) -> bytes:
     while end > 0 and data[end] & 0xC0 == 0x80:  # a continuation byte
         end -= 1
     return data[:end]
+
+
+def _fill_group(
+    backend: GrammarBackend, matchers: list[Matcher], rows: list[int], bitmask: torch.Tensor
+) -> list[bool]:
+    """One backend's rows of a step's fill; returns where each may end."""
+    if len(matchers) > 1:
+        backend.fill_many(matchers, bitmask, rows)
+    else:
+        matchers[0].fill_bitmask(bitmask, rows[0])
+    return backend.can_end_many(matchers, bitmask, rows)

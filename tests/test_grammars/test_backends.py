@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from weft.grammars.bitmask import allocate_bitmask, allowed_ids, bit_is_set
 from weft.grammars.manager import GrammarError, GrammarManager, RequestGrammar
@@ -332,3 +333,40 @@ def test_a_bad_ebnf_is_refused_by_every_backend_with_its_reason(stories_tokenize
     assert message.startswith("cannot compile the ebnf: xgrammar: ")
     assert "; llguidance: not a valid EBNF grammar: " in message
     assert "; outlines: outlines-core cannot compile EBNF" in message
+
+
+def _grammars_at_three_points(manager, tokenizer, kinds):
+    """A grammar per kind and cut: at the start of its output, inside it, where it may end."""
+    grammars = []
+    for kind in sorted(kinds):
+        spec, good, _ = CASES[kind]
+        ids = tokenizer.encode(good, add_special_tokens=False)
+        for cut in (0, len(ids) // 2, len(ids)):
+            grammar = RequestGrammar(manager.compile(spec), QWEN_END_IDS)
+            for tid in ids[:cut]:
+                assert grammar.accept(tid)
+            grammars.append(grammar)
+    return grammars
+
+
+@pytest.mark.parametrize("backend", [*SUPPORTED, "all at once"])
+def test_a_batched_fill_equals_row_by_row_fills(managers, qwen_tokenizer, backend):
+    """Grammars some tokens into their outputs, filled in one call (each backend's parallel
+    batch; the backends' batches side by side) into scattered rows: every row, with its
+    end-token bits, as filled alone."""
+    names = list(SUPPORTED) if backend == "all at once" else [backend]
+    grammars = [
+        g
+        for name in names
+        for g in _grammars_at_three_points(managers[name], qwen_tokenizer, SUPPORTED[name])
+    ]
+    rows = [2 * i + i % 2 for i in range(len(grammars))]
+    manager = managers[names[0]]
+    batched = allocate_bitmask(2 * len(rows) + 1, QWEN_VOCAB)
+    manager.fill(grammars, batched, rows)
+    for grammar, row in zip(grammars, rows, strict=True):
+        alone = allocate_bitmask(1, QWEN_VOCAB)
+        manager.fill([grammar], alone, [0])
+        assert torch.equal(batched[row], alone[0]), (grammar.backend_name, row)
+    ends = sum(len(SUPPORTED[name]) for name in names)  # one cut per kind is a whole output
+    assert sum(bit_is_set(batched, r, QWEN_END_IDS[0]) for r in rows) == ends
