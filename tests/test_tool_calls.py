@@ -20,6 +20,7 @@ from weft.runtime.server.errors import ApiError
 from weft.runtime.server.openai_api import _chat_job, _constraint, response_format_constraint
 from weft.runtime.server.openai_jobs import ChatJob, Cursor
 from weft.runtime.server.openai_protocol import ChatCompletionRequest
+from weft.runtime.server.reasoning import MarkerIds
 from weft.runtime.server.request_state import ReqState, Sample
 from weft.runtime.server.sglang_params import parse_sampling_params
 from weft.runtime.server.tool_calls import (
@@ -949,6 +950,7 @@ class FakeTM:
     source = SimpleNamespace(display_path="m")
     info = SimpleNamespace(context_length=32768, vocab_size=151936)
     config = ServerConfig()
+    reasoning_ids = MarkerIds([], [])  # no --reasoning-parser
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
