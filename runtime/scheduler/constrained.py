@@ -14,7 +14,7 @@ import time
 import torch
 
 from weft.grammars.bitmask import allocate_bitmask, set_bits_rows
-from weft.grammars.manager import Compiled, GrammarManager, RequestGrammar
+from weft.grammars.manager import RACE_BUDGET_S, Compiled, GrammarManager, RequestGrammar
 from weft.grammars.vocab import TokenVocab
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import FinishReason, Req
@@ -25,7 +25,7 @@ from weft.runtime.scheduler.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_QUEUE_SLACK_S = 30.0  # beyond the compile timeouts, a request's wait for its grammar
+GRAMMAR_QUEUE_SLACK_S = 30.0  # beyond its race's longest run, a request's wait for its grammar
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 # Jump-forward drafts (core.py): at most this many forced tokens verified in one step (each is a
@@ -143,13 +143,14 @@ class Constrained:
 
     @property
     def wait_limit_s(self) -> float:
-        """How long a request may wait for its grammar: every backend of the chain at its compile
-        timeout, plus GRAMMAR_QUEUE_SLACK_S in the compile queue.
+        """How long a request may wait for its grammar: its race's longest run (the last backend
+        joins at most RACE_BUDGET_S after each other, then runs to its compile timeout), plus
+        GRAMMAR_QUEUE_SLACK_S in the chain queue.
 
         NOTE: a compile future that never resolves (a deadlocked grammar worker once held 31
         requests forever) must not hold a request without bound."""
-        backends = len(self.config.grammar_backends)
-        return backends * self.config.grammar_compile_timeout + GRAMMAR_QUEUE_SLACK_S
+        joins = (len(self.config.grammar_backends) - 1) * RACE_BUDGET_S
+        return joins + self.config.grammar_compile_timeout + GRAMMAR_QUEUE_SLACK_S
 
     @staticmethod
     def wait(wait: list[Req], timeout_s: float = 0.01) -> None:
