@@ -53,6 +53,7 @@ SPARE_COMPILE_THREADS = 4  # for compiles that run on past their race or their t
 # backend (its masks are the cheapest per step) and still starts three backends within 0.4 s, so
 # a spec some backend compiles in 0.1 s waits well under a second.
 RACE_BUDGET_S = 0.2
+BUILD_POLL_S = 0.05  # how often a race looks whether a backend it waits for is built
 MAX_JUMP_FORWARD_BYTES = 1024  # forced text tokenized for one draft (the rest comes later)
 # A spec whose minimum repetition counts multiply past this gets no jump-forward (see
 # `forced_repeats`).
@@ -149,7 +150,7 @@ class _Attempt:
 
     name: str
     future: Future[Any]  # the compile's (shared with any race of the same spec on this backend)
-    started: float  # perf_counter: its timeout counts from here
+    started: float  # perf_counter: its budget and timeout count from here (see `_since`)
 
 
 class RequestGrammar:
@@ -217,6 +218,7 @@ class GrammarManager:
         self._vocab_factory = vocab_factory
         self._vocab: TokenVocab | None = None
         self._backends: dict[str, GrammarBackend | Exception] = {}
+        self._built_at: dict[str, float] = {}  # perf_counter at each build's end (else 0)
         # NOTE: two locks. `_build_lock` is held while the vocabulary and the backends are
         # built (seconds, in code that is not ours); `_lock` guards the cache and the compiles
         # in flight and is held only to read and update them and to queue a compile: no future
@@ -312,13 +314,13 @@ class GrammarManager:
         while True:
             now = time.perf_counter()
             for attempt in list(running):  # NOTE: in order: the earliest done serves
-                name, future = attempt.name, attempt.future
+                name, future, since = attempt.name, attempt.future, self._since(attempt)
                 if future.done():
                     exc = future.exception()
                     if exc is None:
                         for other in running:
                             if other is not attempt:
-                                ran = now - other.started
+                                ran = now - (self._since(other) or now)
                                 refused[other.name] = f"still compiling after {ran:.2f} s"
                         backend = self._backends[name]
                         assert isinstance(backend, GrammarBackend)
@@ -336,13 +338,16 @@ class GrammarManager:
                             "grammar backend %s failed on %s: %r", name, spec.describe(), exc
                         )
                     running.remove(attempt)
-                elif now - attempt.started >= self.timeout_s:
+                elif since is not None and now - since >= self.timeout_s:
                     refused[name] = f"compile timed out after {self.timeout_s:g} s"
                     logger.warning("grammar compile timed out on %s: %s", name, spec.describe())
                     running.remove(attempt)
             # the next backend joins once every one running has had its budget
-            joins = max((a.started for a in running), default=now - RACE_BUDGET_S) + RACE_BUDGET_S
-            if waiting and joins <= now:
+            sinces = [self._since(a) for a in running]
+            building = None in sinces
+            counted = [t for t in sinces if t is not None]
+            joins = max(counted, default=now - RACE_BUDGET_S) + RACE_BUDGET_S
+            if waiting and joins <= now and not building:
                 name = waiting.pop(0)
                 built = self._backends.get(name)
                 if isinstance(built, Exception):
@@ -353,14 +358,24 @@ class GrammarManager:
             if not running:
                 reasons = [f"{n}: {refused[n]}" for n in self.order]
                 raise GrammarError(f"cannot compile the {spec.kind}: " + "; ".join(reasons))
-            wake = min(a.started for a in running) + self.timeout_s
+            wake = min(counted, default=now) + self.timeout_s
             if waiting:
                 wake = min(wake, joins)
+            if building:  # NOTE: a build's end is no future's: look again shortly
+                wake = min(wake, now + BUILD_POLL_S)
             concurrent.futures.wait(
                 [a.future for a in running],
                 timeout=max(wake - now, 0.0),
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
+
+    def _since(self, attempt: _Attempt) -> float | None:
+        """When the attempt's budget and timeout began: its start, or its backend's build if
+        that ended later (a first build takes seconds: llguidance's 1.8 s on Qwen2's vocabulary,
+        which must not hand the race to the next backend); None while the backend builds."""
+        if attempt.name not in self._backends:
+            return None
+        return max(attempt.started, self._built_at.get(attempt.name, 0.0))
 
     def _compile_future(self, name: str, spec: GrammarSpec) -> Future[Any]:
         """The backend's compile of the spec: done if cached, the one in flight if any (a race
@@ -418,6 +433,7 @@ class GrammarManager:
                 except Exception as exc:  # a missing package or a tokenizer it cannot read
                     logger.warning("grammar backend %s is unavailable: %s", name, exc)
                     backend = exc
+                self._built_at[name] = time.perf_counter()  # NOTE: first (see `_since`)
                 self._backends[name] = backend
             return backend
 

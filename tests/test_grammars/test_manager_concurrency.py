@@ -378,3 +378,29 @@ def test_a_cached_spec_does_not_queue_behind_racing_specs():
         manager.shutdown()
     assert (cached.result().grammar, cached.result().cached) == ("compiled a+", True)
     assert submit_s < 0.001, submit_s  # the target for a cached spec
+
+
+def test_a_backends_first_build_does_not_hand_the_race_to_the_next(monkeypatch):
+    built: list[str] = []
+
+    def scripted(name: str, build_s: float) -> Callable[[TokenVocab, bool], ScriptedBackend]:
+        def build(vocab: TokenVocab, compact_json: bool) -> ScriptedBackend:
+            time.sleep(build_s)  # a tokenizer conversion, seconds on a real vocabulary
+            backend = ScriptedBackend()
+            backend.name = name
+            built.append(name)
+            return backend
+
+        return build
+
+    classes = {
+        "xgrammar": scripted("xgrammar", 3 * RACE_BUDGET_S),
+        "llguidance": scripted("llguidance", 0),
+    }
+    monkeypatch.setattr(manager_module, "backend_classes", lambda: classes)
+    manager = GrammarManager(lambda: TINY_VOCAB, order=["xgrammar", "llguidance"])
+    try:
+        compiled = manager.submit(_spec("a+")).result(DEADLINE_S)
+    finally:
+        manager.shutdown()
+    assert (compiled.backend.name, compiled.refused, built) == ("xgrammar", [], ["xgrammar"])
