@@ -7,6 +7,7 @@ the backend, not the request's fault); the methods return such requests for the 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
@@ -69,6 +70,8 @@ class Constrained:
         self._whitespace_ids: frozenset[int] | None = None  # built on the first gap
         self._whitespace_row: torch.Tensor | None = None
         self.compile_s = BucketCounts(GRAMMAR_COMPILE_BUCKETS)  # per constrained request
+        self.served_by: collections.Counter[str] = collections.Counter()  # backend -> requests
+        self.cache_hits = 0  # constrained requests whose grammar was cached when they came
         self.mask_s = BucketCounts(GRAMMAR_MASK_BUCKETS)  # per step with constrained rows
 
     @property
@@ -125,6 +128,8 @@ class Constrained:
                 compiled = req.grammar_future.result()
                 if req.index == 0:  # n > 1 samples share one compile
                     self.compile_s.observe(compiled.compile_s)
+                    self.served_by[compiled.backend.name] += 1
+                    self.cache_hits += compiled.cached
                 req.grammar = RequestGrammar(compiled, self.end_list)
                 ready.append(req)
             except Exception as exc:  # GrammarError, or a matcher the backend cannot build
