@@ -15,7 +15,7 @@ import time
 import torch
 
 from weft.grammars.bitmask import allocate_bitmask, set_bits_rows
-from weft.grammars.manager import RACE_BUDGET_S, Compiled, GrammarManager, RequestGrammar
+from weft.grammars.manager import Compiled, GrammarManager, RequestGrammar
 from weft.grammars.vocab import TokenVocab
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import FinishReason, Req
@@ -87,6 +87,7 @@ class Constrained:
                 order=self.config.grammar_backends,
                 timeout_s=self.config.grammar_compile_timeout,
                 compact_json=self.config.constrained_json_disable_any_whitespace,
+                race_budget_s=self.config.grammar_race_budget,
             )
         return self._grammars
 
@@ -148,14 +149,17 @@ class Constrained:
 
     @property
     def wait_limit_s(self) -> float:
-        """How long a request may wait for its grammar: its race's longest run (the last backend
-        joins at most RACE_BUDGET_S after each other, then runs to its compile timeout), plus
-        GRAMMAR_QUEUE_SLACK_S in the chain queue.
+        """How long a request may wait for its grammar: its race's longest run (each backend
+        joins at most a race budget, or a timeout, after the one before; the last runs to its
+        timeout), plus GRAMMAR_QUEUE_SLACK_S in the chain queue.
 
         NOTE: a compile future that never resolves (a deadlocked grammar worker once held 31
         requests forever) must not hold a request without bound."""
-        joins = (len(self.config.grammar_backends) - 1) * RACE_BUDGET_S
-        return joins + self.config.grammar_compile_timeout + GRAMMAR_QUEUE_SLACK_S
+        timeout = self.config.grammar_compile_timeout
+        joins = (len(self.config.grammar_backends) - 1) * min(
+            self.config.grammar_race_budget, timeout
+        )
+        return joins + timeout + GRAMMAR_QUEUE_SLACK_S
 
     @staticmethod
     def wait(wait: list[Req], timeout_s: float = 0.01) -> None:

@@ -267,10 +267,18 @@ def test_a_spec_submitted_after_shutdown_fails_at_once():
 # ---- the race between backends ------------------------------------------------------------
 
 
-def _race(first: ScriptedBackend, second: ScriptedBackend, timeout_s: float = 30.0):
+def _race(
+    first: ScriptedBackend,
+    second: ScriptedBackend,
+    timeout_s: float = 30.0,
+    budget_s: float = RACE_BUDGET_S,
+):
     """A manager whose chain is xgrammar -> llguidance, played by two scripted backends."""
     manager = GrammarManager(
-        lambda: TINY_VOCAB, order=["xgrammar", "llguidance"], timeout_s=timeout_s
+        lambda: TINY_VOCAB,
+        order=["xgrammar", "llguidance"],
+        timeout_s=timeout_s,
+        race_budget_s=budget_s,
     )
     for name, backend in zip(manager.order, (first, second), strict=True):
         backend.name = name
@@ -315,11 +323,10 @@ def test_a_hung_backend_loses_the_race_and_its_late_grammar_serves_later_request
     assert (hung.started, fast.started) == (["a+"], ["a+"])  # each compiled the spec once
 
 
-def test_a_refusal_passes_the_spec_on_without_waiting_out_the_budget(monkeypatch):
-    monkeypatch.setattr(manager_module, "RACE_BUDGET_S", DEADLINE_S * 3)
+def test_a_refusal_passes_the_spec_on_without_waiting_out_the_budget():
     refusing, fast = ScriptedBackend(), ScriptedBackend()
     refusing.unsupported.add("a+")
-    manager = _race(refusing, fast)
+    manager = _race(refusing, fast, budget_s=DEADLINE_S * 3)
     try:
         compiled = within(DEADLINE_S, lambda: manager.submit(_spec("a+")).result())
     finally:
@@ -404,3 +411,13 @@ def test_a_backends_first_build_does_not_hand_the_race_to_the_next(monkeypatch):
     finally:
         manager.shutdown()
     assert (compiled.backend.name, compiled.refused, built) == ("xgrammar", [], ["xgrammar"])
+
+
+def test_without_a_race_the_chains_order_decides():
+    slow, fast = ScriptedBackend(hold_s=3 * RACE_BUDGET_S), ScriptedBackend()
+    manager = _race(slow, fast, budget_s=float("inf"))
+    try:
+        compiled = manager.submit(_spec("a+")).result(DEADLINE_S)
+    finally:
+        manager.shutdown()
+    assert (compiled.backend.name, compiled.refused, fast.started) == ("xgrammar", [], [])
