@@ -3,8 +3,8 @@
 `GrammarManager.submit(spec)` returns a future at once. A spec whose grammar is cached gets a
 future already done; any other races the backends in order (default xgrammar -> llguidance ->
 outlines) on a chain worker: the preferred backend starts first, and the next one starts as soon
-as every backend running has had RACE_BUDGET_S, or has refused the spec (at once), or has run
-past the compile timeout. The first backend that compiles the spec serves the request; when
+as every backend running has had the race budget (RACE_BUDGET_S unless configured), or has
+refused the spec (at once), or has run past the compile timeout. The first backend that compiles the spec serves the request; when
 several are done at one look, the earliest in the order. The scheduler polls the future between
 steps, so a request waiting for its grammar holds up nobody.
 
