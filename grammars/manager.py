@@ -1,17 +1,29 @@
 """Compiling specs through a chain of backends, off the scheduler's loop, with a cache.
 
-`GrammarManager.submit(spec)` returns a future at once; a worker tries the backends in order
-(default xgrammar -> llguidance -> outlines): a backend that refuses the spec or runs past the
-compile timeout passes it to the next, and the first that compiles it serves the request. The
-scheduler polls the future between steps, so a request waiting for its grammar holds up nobody.
-Compiled grammars are cached by (backend, kind, spec text) per vocabulary; the manager itself
-belongs to one model's vocabulary.
+`GrammarManager.submit(spec)` returns a future at once. A spec whose grammar is cached gets a
+future already done; any other races the backends in order (default xgrammar -> llguidance ->
+outlines) on a chain worker: the preferred backend starts first, and the next one starts as soon
+as every backend running has had the race budget (RACE_BUDGET_S unless configured), or has
+refused the spec (at once), or has run past the compile timeout. The first backend that compiles the spec serves the request; when
+several are done at one look, the earliest in the order. The scheduler polls the future between
+steps, so a request waiting for its grammar holds up nobody.
+
+Compiled grammars (and refusals) are cached by (backend, kind, spec text) per vocabulary; the
+manager itself belongs to one model's vocabulary. A compile that lost the race, or ran past its
+timeout, is not stopped (native code cannot be) and lands in the cache when it ends.
+
+Which cached grammar serves a spec: that of the earliest backend in the order whose grammar is
+cached. A later backend's grammar serves while an earlier one is still compiling, so the
+preferred backend takes over the spec once its compile lands. Every backend that compiles a spec
+enforces it exactly (one that would weaken it refuses it), so any of them may serve.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
+import math
 import queue
 import re
 import threading
@@ -20,7 +32,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,15 +40,22 @@ import torch
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
 from weft.grammars.bitmask import set_bits_rows
 from weft.grammars.jump_forward import settled_tokens
-from weft.grammars.spec import GrammarSpec, parse_spec, skip_class
+from weft.grammars.spec import INLINE_SPEC_CHARS, GrammarSpec, parse_spec, skip_class
 from weft.grammars.vocab import TokenVocab
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ORDER = ("xgrammar", "llguidance", "outlines")
 CACHE_ENTRIES = 1024
-COMPILE_WORKERS = 2  # specs compiling at once (see GrammarManager.__init__)
-SPARE_COMPILE_THREADS = 4  # for compiles that run on past their timeout
+COMPILE_WORKERS = 2  # specs racing at once (see GrammarManager.__init__)
+SPARE_COMPILE_THREADS = 4  # for compiles that run on past their race or their timeout
+# How long a backend compiles alone before the next in the chain joins the race. On the 40-schema
+# core corpus (Qwen2 vocabulary, a 2-core CPU) xgrammar takes 0.11 s at the median but 4.6 s at
+# p90 and 16 s at worst, llguidance 6 ms at worst: 0.2 s leaves the usual spec to the preferred
+# backend (its masks are the cheapest per step) and still starts three backends within 0.4 s, so
+# a spec some backend compiles in 0.1 s waits well under a second.
+RACE_BUDGET_S = 0.2
+BUILD_POLL_S = 0.05  # how often a race looks whether a backend it waits for is built
 MAX_JUMP_FORWARD_BYTES = 1024  # forced text tokenized for one draft (the rest comes later)
 # A spec whose minimum repetition counts multiply past this gets no jump-forward (see
 # `forced_repeats`).
@@ -122,9 +140,19 @@ class Compiled:
     backend: GrammarBackend
     grammar: Any
     spec: GrammarSpec
-    compile_s: float
-    refused: list[str] = field(default_factory=list)  # why earlier backends passed it on
+    compile_s: float  # from the spec's submission (or its race's start) to its grammar
+    refused: list[str] = field(default_factory=list)  # why earlier backends did not serve it
     jump_forward: bool = True  # False: the forced text may be too long to ask for
+    cached: bool = False  # found in the cache at submission (no race ran)
+
+
+@dataclass
+class _Attempt:
+    """One backend's part in a spec's race."""
+
+    name: str
+    future: Future[Any]  # the compile's (shared with any race of the same spec on this backend)
+    started: float  # perf_counter: its budget and timeout count from here (see `_since`)
 
 
 class RequestGrammar:
@@ -176,8 +204,11 @@ class GrammarManager:
         timeout_s: float = 30.0,
         workers: int = COMPILE_WORKERS,
         compact_json: bool = False,
+        race_budget_s: float = RACE_BUDGET_S,
     ) -> None:
-        """compact_json: JSON under a schema on one line (GrammarBackend)."""
+        """compact_json: JSON under a schema on one line (GrammarBackend). race_budget_s: how
+        long a backend compiles alone before the next joins (inf: the chain's order decides
+        which backend serves, with no race, as tests of the routing need on a loaded CPU)."""
         known = backend_classes()
         unknown = [name for name in order if name not in known]
         if unknown or not order:
@@ -188,10 +219,12 @@ class GrammarManager:
             )
         self.order = list(order)
         self.timeout_s = timeout_s
+        self.race_budget_s = race_budget_s
         self.compact_json = compact_json
         self._vocab_factory = vocab_factory
         self._vocab: TokenVocab | None = None
         self._backends: dict[str, GrammarBackend | Exception] = {}
+        self._built_at: dict[str, float] = {}  # perf_counter at each build's end (else 0)
         # NOTE: two locks. `_build_lock` is held while the vocabulary and the backends are
         # built (seconds, in code that is not ours); `_lock` guards the cache and the compiles
         # in flight and is held only to read and update them and to queue a compile: no future
@@ -202,18 +235,21 @@ class GrammarManager:
         self._inflight: dict[tuple[str, str, str], Future[Any]] = {}
         # NOTE: compiles share the scheduler process's GIL and cores: each one running slows
         # every decoding step (measured: plain requests went from 0.05 s to p50 0.43 s, max
-        # 6.9 s, while 10 large schemas compiled 4 at a time). So `workers` specs compile at
-        # once (2, not 1: a small spec need not wait behind one large compile): a chain worker
-        # waits on one compile at a time, and further specs wait in the chain queue, where no
-        # timeout runs (the timeout counts from the compile's submission, when a compile
-        # thread is free: it times the compile, not the queue).
-        # Two pools: a compile that runs past the timeout keeps its compile thread until it
-        # ends (native code cannot be interrupted) while its chain moves on, so there are
-        # SPARE_COMPILE_THREADS more compile threads than chains. Only with more compiles than
-        # that stuck at once does a compile wait for a thread with its timeout running, and
-        # then the spec should fail after the timeout: those threads may never come back.
+        # 6.9 s, while 10 large schemas compiled 4 at a time). So `workers` specs race at once
+        # (2, not 1: a small spec need not wait behind one large race), and further specs wait
+        # in the chain queue, where no timeout runs (a backend's timeout counts from its start
+        # in the race, when the race has a compile thread for it: it times the compile, not the
+        # queue). A cached spec never enters the queue (`submit`).
+        # Two pools: a compile that loses its race or runs past the timeout keeps its compile
+        # thread until it ends (native code cannot be interrupted) while its race is over, so
+        # there are SPARE_COMPILE_THREADS more compile threads than races can use. Only with
+        # more compiles than that running on at once does a compile wait for a thread with its
+        # timeout running, and then the backend should time out: those threads may never come
+        # back.
         self._chains = DaemonPool(workers, "weft-grammar-chain")
-        self._compiles = DaemonPool(workers + SPARE_COMPILE_THREADS, "weft-grammar")
+        self._compiles = DaemonPool(
+            workers * len(self.order) + SPARE_COMPILE_THREADS, "weft-grammar"
+        )
         # a step's mask fill: the batches of the backends after the first (see `fill`)
         self._fills = DaemonPool(len(self.order) - 1 or 1, "weft-grammar-fill")
 
@@ -225,66 +261,171 @@ class GrammarManager:
             return self._vocab
 
     def submit(self, spec: GrammarSpec) -> Future[Compiled]:
-        return self._chains.submit(self.compile, spec)
+        """The spec's compiled grammar: a future already done if it is cached (no queue, no
+        thread), else one that a chain worker resolves through the race."""
+        start = time.perf_counter()
+        compiled = self._cached(spec, start)
+        if compiled is None:
+            return self._chains.submit(self.compile, spec)
+        future: Future[Compiled] = Future()
+        future.set_result(compiled)
+        return future
 
     def submit_field(
         self, field: str, text: str, max_chars: int, validated: bool = False
     ) -> Future[Compiled]:
-        """parse_spec (InvalidSpec comes from the future) and compile, both on a worker."""
+        """parse_spec (InvalidSpec comes from the future), then `submit`. A short text is parsed
+        here (parse_spec caches it: microseconds on a repeat), a long one on a chain worker."""
+        if len(text) <= INLINE_SPEC_CHARS:
+            try:
+                spec = parse_spec(field, text, max_chars, validated)
+            except Exception as exc:
+                failed: Future[Compiled] = Future()
+                failed.set_exception(exc)
+                return failed
+            return self.submit(spec)
         return self._chains.submit(
             lambda: self.compile(parse_spec(field, text, max_chars, validated))
         )
 
-    def compile(self, spec: GrammarSpec) -> Compiled:
-        """Through the chain, blocking (the workers run this)."""
-        refused: list[str] = []
-        for name in self.order:
-            backend = self._backend(name)
-            if isinstance(backend, Exception):
-                refused.append(f"{name}: unavailable ({backend})")
-                continue
-            start = time.perf_counter()
-            try:
-                grammar = self._compile_cached(backend, spec)
-            except GrammarUnsupported as exc:
-                refused.append(f"{name}: {exc}")
-                continue
-            except FutureTimeout:
-                refused.append(f"{name}: compile timed out after {self.timeout_s:g} s")
-                logger.warning("grammar compile timed out on %s: %s", name, spec.describe())
-                continue
-            except Exception as exc:  # a backend that fails on a user's grammar refuses it
-                refused.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:500]}")
-                logger.warning("grammar backend %s failed on %s: %r", name, spec.describe(), exc)
-                continue
-            elapsed = time.perf_counter() - start
-            short = forced_repeats(spec) <= MAX_FORCED_REPEATS
-            return Compiled(backend, grammar, spec, elapsed, refused, jump_forward=short)
-        raise GrammarError(f"cannot compile the {spec.kind}: " + "; ".join(refused))
+    def _cached(self, spec: GrammarSpec, start: float) -> Compiled | None:
+        """The spec's grammar from the cache, by the earliest backend in the order that has one
+        (see the module's docstring), or None."""
+        refused = []
+        with self._lock:
+            for name in self.order:
+                key = (name, spec.kind, spec.text)
+                if key not in self._cache:
+                    continue  # not compiled yet (or still compiling), or evicted
+                grammar = self._cache[key]
+                if isinstance(grammar, GrammarUnsupported):
+                    refused.append(f"{name}: {grammar}")
+                    continue
+                backend = self._backends.get(name)
+                if not isinstance(backend, GrammarBackend):
+                    continue
+                self._cache.move_to_end(key)
+                break
+            else:
+                return None
+        elapsed = time.perf_counter() - start
+        short = _jump_forward_ok(spec)
+        return Compiled(backend, grammar, spec, elapsed, refused, jump_forward=short, cached=True)
 
-    def _compile_cached(self, backend: GrammarBackend, spec: GrammarSpec) -> Any:
-        key = (backend.name, spec.kind, spec.text)
+    def compile(self, spec: GrammarSpec) -> Compiled:
+        """The race through the chain (see the module's docstring), blocking (the chain workers
+        run this)."""
+        start = time.perf_counter()
+        refused: dict[str, str] = {}
+        waiting = list(self.order)  # not started yet
+        running: list[_Attempt] = []  # in the chain's order
+        budget = self.race_budget_s
+        while True:
+            now = time.perf_counter()
+            for attempt in list(running):  # NOTE: in order: the earliest done serves
+                name, future, since = attempt.name, attempt.future, self._since(attempt)
+                if future.done():
+                    exc = future.exception()
+                    if exc is None:
+                        for other in running:
+                            if other is not attempt:
+                                ran = now - (self._since(other) or now)
+                                refused[other.name] = f"still compiling after {ran:.2f} s"
+                        backend = self._backends[name]
+                        assert isinstance(backend, GrammarBackend)
+                        return Compiled(
+                            backend,
+                            future.result(),
+                            spec,
+                            now - start,
+                            [f"{n}: {refused[n]}" for n in self.order if n in refused],
+                            jump_forward=_jump_forward_ok(spec),
+                        )
+                    refused[name] = _refusal(exc)
+                    if not isinstance(exc, GrammarUnsupported):
+                        logger.warning(
+                            "grammar backend %s failed on %s: %r", name, spec.describe(), exc
+                        )
+                    running.remove(attempt)
+                elif since is not None and now - since >= self.timeout_s:
+                    refused[name] = f"compile timed out after {self.timeout_s:g} s"
+                    logger.warning("grammar compile timed out on %s: %s", name, spec.describe())
+                    running.remove(attempt)
+            # the next backend joins once every one running has had its budget
+            sinces = [self._since(a) for a in running]
+            building = None in sinces
+            counted = [t for t in sinces if t is not None]
+            if not running:
+                joins = now
+            else:  # NOTE: not `now - budget + budget` with none running: inf - inf is nan
+                joins = math.inf if building else max(counted) + budget
+            if waiting and joins <= now:
+                name = waiting.pop(0)
+                built = self._backends.get(name)
+                if isinstance(built, Exception):
+                    refused[name] = f"unavailable ({built})"
+                else:
+                    running.append(_Attempt(name, self._compile_future(name, spec), now))
+                continue
+            if not running:
+                reasons = [f"{n}: {refused[n]}" for n in self.order]
+                raise GrammarError(f"cannot compile the {spec.kind}: " + "; ".join(reasons))
+            wake = min(counted, default=now) + self.timeout_s
+            if waiting:
+                wake = min(wake, joins)
+            if building:  # NOTE: a build's end is no future's: look again shortly
+                wake = min(wake, now + BUILD_POLL_S)
+            concurrent.futures.wait(
+                [a.future for a in running],
+                timeout=max(wake - now, 0.0),
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+
+    def _since(self, attempt: _Attempt) -> float | None:
+        """When the attempt's budget and timeout began: its start, or its backend's build if
+        that ended later (a first build takes seconds: llguidance's 1.8 s on Qwen2's vocabulary,
+        which must not hand the race to the next backend); None while the backend builds."""
+        if attempt.name not in self._backends:
+            return None
+        return max(attempt.started, self._built_at.get(attempt.name, 0.0))
+
+    def _compile_future(self, name: str, spec: GrammarSpec) -> Future[Any]:
+        """The backend's compile of the spec: done if cached, the one in flight if any (a race
+        of the same spec, or a compile running on past its race), else a new one."""
+        key = (name, spec.kind, spec.text)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 result = self._cache[key]
+                done: Future[Any] = Future()
                 if isinstance(result, GrammarUnsupported):
-                    raise result
-                return result
+                    done.set_exception(result)
+                else:
+                    done.set_result(result)
+                return done
             future = self._inflight.get(key)
-            submitted = future is None
-            if future is None:
-                future = self._compiles.submit(backend.compile, spec)
-                self._inflight[key] = future
-        if submitted:
-            # NOTE: outside the lock: on a future already done (a quick compile) the callback
-            # runs at once on this thread, and _store takes the lock, which is not reentrant.
-            # Until _store runs, a chain asking for the same key gets the done future.
-            future.add_done_callback(functools.partial(self._store, key))
-        return future.result(timeout=self.timeout_s)
+            if future is not None:
+                return future
+            future = self._compiles.submit(self._compile_on, name, spec)
+            self._inflight[key] = future
+        # NOTE: outside the lock: on a future already done (a quick compile) the callback runs at
+        # once on this thread, and _store takes the lock, which is not reentrant. Until _store
+        # runs, a race asking for the same key gets the done future.
+        future.add_done_callback(functools.partial(self._store, key))
+        return future
+
+    def _compile_on(self, name: str, spec: GrammarSpec) -> Any:
+        """A compile thread's job: the backend (built here the first time: seconds, which count
+        in its race but hold up neither the race nor the other backends) compiles the spec."""
+        backend = self._backends.get(name)  # NOTE: built: no lock (the vocabulary's may be held)
+        if backend is None:
+            backend = self._backend(name)
+        if isinstance(backend, Exception):
+            raise GrammarUnsupported(f"unavailable ({backend})")
+        return backend.compile(spec)
 
     def _store(self, key: tuple[str, str, str], future: Future[Any]) -> None:
-        """The compile's done-callback (on its compile worker, or at once on the chain that
+        """The compile's done-callback (on its compile worker, or at once on the race that
         submitted it): the result, or the refusal, goes from in flight to the cache."""
         with self._lock:
             self._inflight.pop(key, None)
@@ -304,6 +445,7 @@ class GrammarManager:
                 except Exception as exc:  # a missing package or a tokenizer it cannot read
                     logger.warning("grammar backend %s is unavailable: %s", name, exc)
                     backend = exc
+                self._built_at[name] = time.perf_counter()  # NOTE: first (see `_since`)
                 self._backends[name] = backend
             return backend
 
@@ -363,6 +505,21 @@ class GrammarManager:
         self._chains.shutdown()
         self._compiles.shutdown()
         self._fills.shutdown()
+
+
+def _refusal(exc: BaseException) -> str:
+    """Why a backend did not compile a spec, in one line."""
+    if isinstance(exc, GrammarUnsupported):
+        return str(exc)
+    first = (str(exc).splitlines() or [""])[0][:500]  # one that fails on a spec refuses it
+    return f"{type(exc).__name__}: {first}"
+
+
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
+def _jump_forward_ok(spec: GrammarSpec) -> bool:
+    """Whether a spec is decoded with jump-forward (`forced_repeats`); cached, as a cache hit
+    must not parse the spec's JSON again."""
+    return forced_repeats(spec) <= MAX_FORCED_REPEATS
 
 
 _COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*\d*\s*)?\}")  # a repetition: {n}, {n,} or {n,m}

@@ -85,6 +85,11 @@ class EngineConfig:
         "outlines; none = no grammar, a benchmark baseline)",
     )
     grammar_compile_timeout: float = option(30.0, "seconds a backend may compile one grammar")
+    grammar_race_budget: float = option(
+        0.2,  # grammars.manager.RACE_BUDGET_S, where the reason is
+        "seconds a grammar backend compiles a spec alone before the next in the order joins "
+        "the race (the first to compile it serves; inf: no race, the order decides)",
+    )
     constrained_json_disable_any_whitespace: bool = option(
         False,
         "JSON under a schema on one line with ', ' and ': ' (default: whitespace as the model "
@@ -143,6 +148,8 @@ class EngineConfig:
             raise ValueError(
                 f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}"
             )
+        if not self.grammar_race_budget >= 0:
+            raise ValueError(f"grammar_race_budget must be >= 0, got {self.grammar_race_budget}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
 

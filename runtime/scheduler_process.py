@@ -237,6 +237,8 @@ class SchedulerService:
             "num_aborted": self.num_aborted,
             "grammar_compile_s": s.grammar_compile_s.snapshot(),
             "grammar_mask_s": s.grammar_mask_s.snapshot(),
+            "grammar_served_by": dict(s.constrained.served_by),
+            "grammar_cache_hits": s.constrained.cache_hits,
         }
 
 

@@ -161,6 +161,10 @@ def test_grammar_times_are_observed(server, traffic):
     # one mask fill per step of the constrained request (a draft is verified in one step)
     assert 1 <= _value(m, mask, "_count") <= traffic["regex"]
     assert _value(m, mask, "_sum") > 0
+    # served by the preferred backend (a small regex compiles well within the race's budget)
+    served = {k: v for k, v in m["weft:grammar_requests"].items() if k[0].endswith("_total")}
+    assert served == {("weft:grammar_requests_total", (("backend", "xgrammar"),)): 1}
+    assert _value(m, "weft:grammar_cache_hits", "_total") == 0
 
 
 def test_gauges_when_idle(server, traffic):
@@ -259,6 +263,8 @@ def test_bucket_counts_render_as_a_prometheus_histogram():
         "num_aborted": 5,
         "grammar_compile_s": counts.snapshot(),
         "grammar_mask_s": empty,
+        "grammar_served_by": {"xgrammar": 6, "llguidance": 2},
+        "grammar_cache_hits": 7,
     }
     metrics = ServerMetrics()
     m = _families(metrics.render(scheduler).decode())
@@ -270,6 +276,11 @@ def test_bucket_counts_render_as_a_prometheus_histogram():
     assert _value(m, "weft:token_usage") == 0.25
     assert _value(m, "weft:num_queue_reqs") == 3
     assert _value(m, "weft:num_retracted_requests", "_total") == 4
+    assert _value(m, "weft:grammar_cache_hits", "_total") == 7
+    assert m["weft:grammar_requests"] == {
+        ("weft:grammar_requests_total", (("backend", "llguidance"),)): 2,
+        ("weft:grammar_requests_total", (("backend", "xgrammar"),)): 6,
+    }
     # without the scheduler (dead): its families are left out, the server's stay
     m = _families(metrics.render(None).decode())
     assert "weft:num_queue_reqs" not in m and TTFT in m

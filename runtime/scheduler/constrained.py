@@ -7,6 +7,7 @@ the backend, not the request's fault); the methods return such requests for the 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
@@ -26,7 +27,7 @@ from weft.runtime.tokenizer import text_marker_ids
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_QUEUE_SLACK_S = 30.0  # beyond the compile timeouts, a request's wait for its grammar
+GRAMMAR_QUEUE_SLACK_S = 30.0  # beyond its race's longest run, a request's wait for its grammar
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 # Jump-forward drafts (core.py): at most this many forced tokens verified in one step (each is a
@@ -74,6 +75,8 @@ class Constrained:
         self._whitespace_ids: frozenset[int] | None = None  # built on the first gap
         self._whitespace_row: torch.Tensor | None = None
         self.compile_s = BucketCounts(GRAMMAR_COMPILE_BUCKETS)  # per constrained request
+        self.served_by: collections.Counter[str] = collections.Counter()  # backend -> requests
+        self.cache_hits = 0  # constrained requests whose grammar was cached when they came
         self.mask_s = BucketCounts(GRAMMAR_MASK_BUCKETS)  # per step with constrained rows
 
     @property
@@ -90,6 +93,7 @@ class Constrained:
                 order=self.config.grammar_backends,
                 timeout_s=self.config.grammar_compile_timeout,
                 compact_json=self.config.constrained_json_disable_any_whitespace,
+                race_budget_s=self.config.grammar_race_budget,
             )
         return self._grammars
 
@@ -131,6 +135,8 @@ class Constrained:
                 compiled = req.grammar_future.result()
                 if req.index == 0:  # n > 1 samples share one compile
                     self.compile_s.observe(compiled.compile_s)
+                    self.served_by[compiled.backend.name] += 1
+                    self.cache_hits += compiled.cached
                 req.grammar = RequestGrammar(compiled, self.end_list)
                 ready.append(req)
             except Exception as exc:  # GrammarError, or a matcher the backend cannot build
@@ -149,13 +155,17 @@ class Constrained:
 
     @property
     def wait_limit_s(self) -> float:
-        """How long a request may wait for its grammar: every backend of the chain at its compile
-        timeout, plus GRAMMAR_QUEUE_SLACK_S in the compile queue.
+        """How long a request may wait for its grammar: its race's longest run (each backend
+        joins at most a race budget, or a timeout, after the one before; the last runs to its
+        timeout), plus GRAMMAR_QUEUE_SLACK_S in the chain queue.
 
         NOTE: a compile future that never resolves (a deadlocked grammar worker once held 31
         requests forever) must not hold a request without bound."""
-        backends = len(self.config.grammar_backends)
-        return backends * self.config.grammar_compile_timeout + GRAMMAR_QUEUE_SLACK_S
+        timeout = self.config.grammar_compile_timeout
+        joins = (len(self.config.grammar_backends) - 1) * min(
+            self.config.grammar_race_budget, timeout
+        )
+        return joins + timeout + GRAMMAR_QUEUE_SLACK_S
 
     @staticmethod
     def wait(wait: list[Req], timeout_s: float = 0.01) -> None:

@@ -137,6 +137,11 @@ _SCHEDULER_COUNTERS = (
         "requests the scheduler aborted (abort_request, a client gone)",
         "num_aborted",
     ),
+    (
+        "weft:grammar_cache_hits",
+        "constrained requests whose compiled grammar was cached when they came",
+        "grammar_cache_hits",
+    ),
 )
 
 
@@ -160,6 +165,14 @@ class SchedulerStats:
         )
         for name, documentation, key in _SCHEDULER_COUNTERS:
             yield CounterMetricFamily(name, documentation, value=s[key])
+        served = CounterMetricFamily(
+            "weft:grammar_requests",
+            "constrained requests by the grammar backend that served them",
+            labels=["backend"],
+        )
+        for backend, count in sorted(s["grammar_served_by"].items()):
+            served.add_metric([backend], count)
+        yield served
         yield _histogram(
             "weft:grammar_compilation_time_seconds",
             "grammar compile time per constrained request (near 0 on a cache hit)",

@@ -110,8 +110,9 @@ EXTENDED_GENERATED = 8  # served extended schemas generated for (each refusal is
 
 @pytest.fixture(scope="module")
 def chain_engine():
-    # NOTE: xgrammar compiles a schema in 1-6 s on a 2-core CPU; 40 at once must not time out
-    engine = _engine(grammar_compile_timeout=300.0)
+    # NOTE: xgrammar compiles a schema in 1-6 s on a 2-core CPU; 40 at once must not time out,
+    # nor race llguidance: the tests check the chain's routing
+    engine = _engine(grammar_compile_timeout=300.0, grammar_race_budget=float("inf"))
     yield engine
     engine.shutdown()
 

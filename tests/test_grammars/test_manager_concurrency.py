@@ -8,6 +8,7 @@ that would block runs its body on a daemon thread joined with a timeout.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -16,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from weft.grammars import manager as manager_module
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
-from weft.grammars.manager import COMPILE_WORKERS, GrammarError, GrammarManager
+from weft.grammars.manager import COMPILE_WORKERS, RACE_BUDGET_S, GrammarError, GrammarManager
 from weft.grammars.no_grammar import AnyTextMatcher
 from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
@@ -246,7 +248,7 @@ def test_a_vocabulary_being_built_holds_up_no_cache_lookup_nor_finished_compile(
     try:
         assert building.wait(DEADLINE_S)
         for _ in range(2):  # compiled and stored, then found in the cache
-            grammar = within(DEADLINE_S, lambda: manager._compile_cached(backend, _spec("a+")))
+            grammar = within(DEADLINE_S, lambda: manager.compile(_spec("a+")).grammar)
             assert grammar == "compiled a+"
     finally:
         release.set()
@@ -260,3 +262,162 @@ def test_a_spec_submitted_after_shutdown_fails_at_once():
     manager.shutdown()
     with pytest.raises(RuntimeError, match=r"^the weft-grammar-chain pool is shut down$"):
         manager.submit(_spec("a+")).result(DEADLINE_S)
+
+
+# ---- the race between backends ------------------------------------------------------------
+
+
+def _race(
+    first: ScriptedBackend,
+    second: ScriptedBackend,
+    timeout_s: float = 30.0,
+    budget_s: float = RACE_BUDGET_S,
+):
+    """A manager whose chain is xgrammar -> llguidance, played by two scripted backends."""
+    manager = GrammarManager(
+        lambda: TINY_VOCAB,
+        order=["xgrammar", "llguidance"],
+        timeout_s=timeout_s,
+        race_budget_s=budget_s,
+    )
+    for name, backend in zip(manager.order, (first, second), strict=True):
+        backend.name = name
+        manager._backends[name] = backend
+    return manager
+
+
+def _settle(manager: GrammarManager) -> None:
+    """Wait until no compile is in flight (the late ones have landed in the cache)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while manager._inflight:
+        assert time.monotonic() < deadline, manager._inflight
+        time.sleep(0.01)
+
+
+def test_a_hung_backend_loses_the_race_and_its_late_grammar_serves_later_requests():
+    gate = threading.Event()
+    hung, fast = ScriptedBackend({"a+": gate}), ScriptedBackend()
+    manager = _race(hung, fast)
+    try:
+        first = manager.submit(_spec("a+")).result(DEADLINE_S)
+        # the preferred backend is still compiling: the fast one's grammar serves at once
+        again = manager.submit(_spec("a+"))
+        assert again.done()
+        hits = [again.result()]
+        gate.set()
+        _settle(manager)
+        now_preferred = manager.submit(_spec("a+"))
+        assert now_preferred.done()
+        hits.append(now_preferred.result())
+    finally:
+        gate.set()
+        manager.shutdown()
+    assert (first.backend.name, first.grammar, first.cached) == ("llguidance", "compiled a+", False)
+    assert RACE_BUDGET_S <= first.compile_s < RACE_BUDGET_S + 1.0
+    assert len(first.refused) == 1
+    assert re.fullmatch(r"xgrammar: still compiling after 0\.\d\d s", first.refused[0])
+    assert [(c.backend.name, c.cached, c.refused) for c in hits] == [
+        ("llguidance", True, []),
+        ("xgrammar", True, []),
+    ]
+    assert (hung.started, fast.started) == (["a+"], ["a+"])  # each compiled the spec once
+
+
+def test_a_refusal_passes_the_spec_on_without_waiting_out_the_budget():
+    refusing, fast = ScriptedBackend(), ScriptedBackend()
+    refusing.unsupported.add("a+")
+    manager = _race(refusing, fast, budget_s=DEADLINE_S * 3)
+    try:
+        compiled = within(DEADLINE_S, lambda: manager.submit(_spec("a+")).result())
+    finally:
+        manager.shutdown()
+    assert (compiled.backend.name, compiled.refused) == (
+        "llguidance",
+        ["xgrammar: a+ is not supported"],
+    )
+
+
+def test_a_race_every_backend_loses_names_each_reason_in_the_chains_order():
+    gate = threading.Event()
+    hung, refusing = ScriptedBackend({"a+": gate}), ScriptedBackend()
+    refusing.unsupported.add("a+")
+    manager = _race(hung, refusing, timeout_s=0.5)
+    try:
+        with pytest.raises(GrammarError) as err:
+            manager.submit(_spec("a+")).result(DEADLINE_S)
+        gate.set()
+        _settle(manager)
+        late = manager.submit(_spec("a+"))  # the timed-out compile landed in the cache
+        assert late.done()
+    finally:
+        gate.set()
+        manager.shutdown()
+    assert str(err.value) == (
+        "cannot compile the regex: xgrammar: compile timed out after 0.5 s; "
+        "llguidance: a+ is not supported"
+    )
+    assert (late.result().backend.name, late.result().refused) == ("xgrammar", [])
+
+
+def test_a_cached_spec_does_not_queue_behind_racing_specs():
+    stuck = [f"stuck{i}" for i in range(COMPILE_WORKERS)]
+    gates = {name: threading.Event() for name in stuck}
+    backend = ScriptedBackend(gates)
+    manager = _manager(backend)
+    try:
+        manager.submit(_spec("a+")).result(DEADLINE_S)
+        racing = [manager.submit(_spec(name)) for name in stuck]
+        backend.wait_started(1 + COMPILE_WORKERS)  # every chain worker is taken
+        queued = manager.submit(_spec("b+"))
+        start = time.perf_counter()
+        cached = manager.submit(_spec("a+"))
+        submit_s = time.perf_counter() - start
+        assert cached.done() and not queued.done()
+        for gate in gates.values():
+            gate.set()
+        assert [f.result(DEADLINE_S).grammar for f in [*racing, queued]] == [
+            *[f"compiled {name}" for name in stuck],
+            "compiled b+",
+        ]
+    finally:
+        for gate in gates.values():
+            gate.set()
+        manager.shutdown()
+    assert (cached.result().grammar, cached.result().cached) == ("compiled a+", True)
+    assert submit_s < 0.001, submit_s  # the issue's target for a cached spec
+
+
+def test_a_backends_first_build_does_not_hand_the_race_to_the_next(monkeypatch):
+    built: list[str] = []
+
+    def scripted(name: str, build_s: float) -> Callable[[TokenVocab, bool], ScriptedBackend]:
+        def build(vocab: TokenVocab, compact_json: bool) -> ScriptedBackend:
+            time.sleep(build_s)  # a tokenizer conversion, seconds on a real vocabulary
+            backend = ScriptedBackend()
+            backend.name = name
+            built.append(name)
+            return backend
+
+        return build
+
+    classes = {
+        "xgrammar": scripted("xgrammar", 3 * RACE_BUDGET_S),
+        "llguidance": scripted("llguidance", 0),
+    }
+    monkeypatch.setattr(manager_module, "backend_classes", lambda: classes)
+    manager = GrammarManager(lambda: TINY_VOCAB, order=["xgrammar", "llguidance"])
+    try:
+        compiled = manager.submit(_spec("a+")).result(DEADLINE_S)
+    finally:
+        manager.shutdown()
+    assert (compiled.backend.name, compiled.refused, built) == ("xgrammar", [], ["xgrammar"])
+
+
+def test_without_a_race_the_chains_order_decides():
+    slow, fast = ScriptedBackend(hold_s=3 * RACE_BUDGET_S), ScriptedBackend()
+    manager = _race(slow, fast, budget_s=float("inf"))
+    try:
+        compiled = manager.submit(_spec("a+")).result(DEADLINE_S)
+    finally:
+        manager.shutdown()
+    assert (compiled.backend.name, compiled.refused, fast.started) == ("xgrammar", [], [])
