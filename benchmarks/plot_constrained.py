@@ -77,7 +77,8 @@ def main() -> None:
     ax.margins(y=0.2)
     device = records[0]["device"].split(",")[0]
     ax.set_title(
-        f"Constrained (C) vs unconstrained (U) decoding, {records[0]['schemas']} schemas: {device}",
+        f"Constrained (C) vs unconstrained (U) decoding, {records[0]['schemas']} schemas\n"
+        f"{device}, {records[0]['model']}, {records[0]['graphs']}",
         fontsize=9,
     )
     ax.legend(fontsize=7, loc="upper left")
