@@ -108,12 +108,11 @@ class StepRecorder(StepProfile):
 
     def end(self) -> None:
         record, self._current = self._current, None
-        if record is None or not (record["marks"] or record["host_s"]):
-            return
-        record["first"] = self._last  # (None: the first step since `take`)
-        if record["points"]:
-            self._last = record["points"][-1]
-        self._pending.append(record)
+        if record is not None and (record["marks"] or record["host_s"]):
+            record["first"] = self._last  # (None: the first step since `take`)
+            if record["points"]:
+                self._last = record["points"][-1]
+            self._pending.append(record)
         self._settle(wait=False)
 
     def take(self) -> list[dict[str, Any]]:
