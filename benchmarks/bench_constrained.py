@@ -348,7 +348,10 @@ def main() -> None:
     entries = [entries[i] for i in kept]
     prompts = [prompts[i] for i in kept]
     constrained = [constrained[i] for i in kept]
-    timed_run(engine, prompts[:4], [{**base, "max_new_tokens": 4, "ignore_eos": True}] * 4, 4)
+    if not entries:
+        raise SystemExit("every schema was refused: nothing to time")
+    few = prompts[:4]
+    timed_run(engine, few, [{**base, "max_new_tokens": 4, "ignore_eos": True}] * len(few), 4)
     compile_s = sched.grammar_compile_s
     print(
         f"# warm-up {time.perf_counter() - start:.1f} s: {sum(compile_s.counts)} grammars "

@@ -30,7 +30,8 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
         for line in Path(path).read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
-                if record.get("bench") == "constrained":
+                # (a run with --no-step-profile has no step times to plot)
+                if record.get("bench") == "constrained" and record["constrained"]["steps"]["steps"]:
                     records.append(record)
     return records
 
