@@ -420,6 +420,7 @@ def main() -> None:
                 "schedule": mode,
                 "graphs": graphs,
                 "grammar_backends": args.grammar_backends,
+                "jump_forward": "off" if args.disable_jump_forward else "default",
                 "batch": batch,
                 "schemas": len(entries),
                 "max_new_tokens": args.max_new_tokens,

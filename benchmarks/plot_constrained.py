@@ -72,7 +72,10 @@ def main() -> None:
             ax.text(x, bottom, f"{tok_s:,.0f}\ntok/s", ha="center", va="bottom", fontsize=7)
             ax.text(x, 0, run[0].upper(), ha="center", va="bottom", fontsize=7, color="white")
         ticks.append(i)
-        labels.append(f"batch {record['batch']}\n{record['ratio']:.2f}x\n{record['schedule']}")
+        jump = ", no jump-fwd" if record.get("jump_forward") == "off" else ""
+        labels.append(
+            f"batch {record['batch']}\n{record['ratio']:.2f}x\n{record['schedule']}{jump}"
+        )
     ax.set_xticks(ticks, labels, fontsize=8)
     ax.set_ylabel("mean step time (ms)")
     ax.margins(y=0.2)
