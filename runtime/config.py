@@ -104,6 +104,11 @@ class EngineConfig:
         "there by default: a step that feeds a draft runs eagerly, for the whole batch, "
         "and measured 0.36x the tokens/s of jump-forward off at batch 1)",
     )
+    profile_steps: bool = option(
+        False,
+        "record per-step timings (forward, grammar mask fill and accepts, sampling; CUDA events "
+        "on a GPU) for benchmarks: Engine.scheduler.profile.take() (benchmarks/bench_constrained.py)",
+    )
     random_seed: int = option(0, "seed for requests that set none")
     cache_dir: str | None = option(None, "where converted GGUF models live (default ~/.cache/weft)")
     num_threads: int | None = option(None, "CPU threads for torch")

@@ -7,6 +7,8 @@ the overlap schedule the tokens are read back during the next step's forward (`o
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -25,6 +27,7 @@ from weft.runtime.scheduler.constrained import Constrained
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 from weft.runtime.scheduler.overlap import InFlight, launch, overlap_schedule, read_tokens
+from weft.runtime.scheduler.step_profile import step_profile
 from weft.runtime.tokenizer import load_tokenizer
 
 PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at once
@@ -66,6 +69,7 @@ class Scheduler:
             lpm=config.schedule_policy == "lpm",
         )
         self.overlap = overlap_schedule(config, runner.device)
+        self.profile = step_profile(config.profile_steps, runner.device)  # a no-op when off
         self.grammar_wait: list[Req] = []  # waiting for their grammar to compile
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -134,6 +138,7 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """One iteration; returns the (visible) requests that got a token or finished."""
+        self.profile.begin()
         if self._inflight is not None and self._inflight.drafts:
             self._resolve()  # which of its drafts the model took decides what is fed next
         if self.grammar_wait:
@@ -153,6 +158,7 @@ class Scheduler:
         elif self.grammar_wait and not self._updates:
             self.constrained.wait(self.grammar_wait)
         updates, self._updates = self._updates, []
+        self.profile.end()
         return updates
 
     def _run(self, work: list[tuple[Req, int]]) -> None:
@@ -162,7 +168,10 @@ class Scheduler:
         batch, plans = build_batch(
             work, self.memory, self.runner.device, prev.ids if prev is not None else None
         )
+        self.profile.mark("sched")
         hidden = self.runner.forward(batch)
+        self.profile.mark("forward")
+        self.profile.count("tokens", batch.num_tokens)
         for plan in plans:
             plan.req.kv_len += plan.num_tokens
         self.num_steps += 1
@@ -207,14 +216,22 @@ class Scheduler:
         drafts = {p.req: p.draft for p in sampling if p.draft}
         if rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        self.profile.mark("host")
         logits = self.runner.logits(hidden)
+        self.profile.mark("logits")
+        start = time.perf_counter()
         # NOTE: filled while the device computes the forward and the logits (launched, not awaited)
         logits, reqs, bitmask, failed = self.constrained.fill_bitmask(logits, reqs, drafts)
+        self.profile.host("fill_s", start)
+        self.profile.mark("mask")
+        self.profile.count("rows", len(reqs))
+        self.profile.count("masked_rows", len(bitmask[1]) if bitmask is not None else 0)
         self._end(failed)
         if reqs:  # (else every row's grammar backend failed)
             fused = not self.config.disable_fused_sampling
             sampled = sample_on_device(logits, reqs, self.end_ids, bitmask, fused=fused)
             self._inflight = launch(self.num_steps, reqs, sampled, drafts, overlap=self.overlap)
+            self.profile.mark("sampling")
 
     def _score_prompt(self, hidden: torch.Tensor, plan: RowPlan) -> None:
         for lo in range(0, len(plan.prompt_rows), PROMPT_LOGITS_CHUNK):
@@ -229,7 +246,15 @@ class Scheduler:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
-        for req in read_tokens(flight, self.constrained):
+        start = time.perf_counter()
+        flight.read()  # (read_tokens reads it too: timed apart, the wait is not the accepts')
+        self.profile.host("readback_s", start)
+        self.profile.mark("readback")
+        start = time.perf_counter()
+        got = read_tokens(flight, self.constrained)
+        self.profile.host("accept_s", start)
+        self.profile.mark("accept")
+        for req in got:
             if req.finished:
                 self._end([req])
             else:
