@@ -136,12 +136,19 @@ def test_calls_validate_and_stream_the_same(client, tool_choice, parallel):
 
 
 def test_parallel_calls_in_one_array(server, client):
-    fields = {**CHAT, "tool_choice": "required", "seed": PARALLEL_SEEDS[server.backend]}
-    choice = client.chat.completions.create(**fields).choices[0]
-    calls = calls_of(choice.message)
-    assert choice.finish_reason == "tool_calls" and len(calls) >= 2, choice
-    for name, arguments in calls:
-        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    """Random weights write a second call in some samples: the first seed (of a bounded search;
+    the known one first, found on a CPU: a GPU samples otherwise) whose answer holds two."""
+    seeds = [PARALLEL_SEEDS[server.backend], *range(16)]
+    for seed in seeds:
+        fields = {**CHAT, "tool_choice": "required", "seed": seed}
+        choice = client.chat.completions.create(**fields).choices[0]
+        calls = calls_of(choice.message)
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        if choice.finish_reason == "tool_calls" and len(calls) >= 2:
+            break
+    else:
+        pytest.fail(f"no seed of {seeds} gave two calls in one array")
     assert streamed(client, **fields) == (None, calls, "tool_calls")
 
 
