@@ -16,6 +16,13 @@ child process of this script (one after the other), with the same thread count.
 
     pip install 'weft[llamacpp]'    # builds llama.cpp from source (5-15 minutes)
     python benchmarks/bench_llamacpp.py [--threads N] [--dtype float32]
+
+NOTE: llama.cpp's default build (-march=native) uses AMX where the CPU lists it; a VM whose
+kernel lists AMX but does not enable it (this project's CPU machines) kills the first forward
+with SIGILL (`tilezero`). Build it without AMX there:
+
+    CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" CXXFLAGS="$CFLAGS" \
+        pip install --force-reinstall --no-deps llama-cpp-python
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import importlib.util
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -261,7 +269,11 @@ def run_side(side: str, args: argparse.Namespace, gguf: Path, out_dir: str) -> d
     argv = [*sys.argv[1:], "--side", side, "--gguf", str(gguf), "--result-file", str(result_file)]
     print(f"[{side}] running in a child process ...", flush=True)
     t = time.perf_counter()
-    subprocess.run([sys.executable, __file__, *argv], check=True)
+    code = subprocess.run([sys.executable, __file__, *argv]).returncode
+    if code == -signal.SIGILL and side == "llamacpp":
+        sys.exit(f"[{side}] died of SIGILL: rebuild llama-cpp-python without AMX (see --help)")
+    if code != 0:
+        sys.exit(f"[{side}] failed with exit status {code}")
     print(f"[{side}] done in {time.perf_counter() - t:.0f} s", flush=True)
     return dict(json.loads(result_file.read_text()))
 
