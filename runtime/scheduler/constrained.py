@@ -234,12 +234,16 @@ class Constrained:
                 token = _forced(reqs[i])
                 assert token is not None
                 set_bits_rows(bitmask, [i], [token], [True])
-        for i in grammar_rows:
+        gap: list[int] = []
+        for i in grammar_rows:  # NOTE: one pass: this runs for every constrained row each step
             thinking = reqs[i].thinking
-            start = thinking.may_open() if thinking is not None else None
+            if thinking is None:
+                continue
+            start = thinking.may_open()
             if start is not None:
                 set_bits_rows(bitmask, [i], [start], [True])
-        gap = [i for i in grammar_rows if (t := reqs[i].thinking) is not None and t.in_gap]
+            if thinking.in_gap:
+                gap.append(i)
         if gap:
             bitmask[gap] |= self.whitespace_row
 
