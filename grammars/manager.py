@@ -24,13 +24,11 @@ import concurrent.futures
 import functools
 import logging
 import math
-import queue
 import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +36,9 @@ from typing import Any
 import torch
 
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
-from weft.grammars.bitmask import set_bits_rows
+from weft.grammars.daemon_pool import DaemonPool
 from weft.grammars.jump_forward import settled_tokens
+from weft.grammars.mask_fill import FillJob, MaskFill
 from weft.grammars.spec import INLINE_SPEC_CHARS, GrammarSpec, parse_spec, skip_class
 from weft.grammars.vocab import TokenVocab
 
@@ -74,61 +73,6 @@ def backend_classes() -> dict[str, Callable[[TokenVocab, bool], GrammarBackend]]
         "outlines": OutlinesBackend,
         "none": NoGrammarBackend,
     }
-
-
-_Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]  # a future, fn, args
-
-
-class DaemonPool:
-    """A thread pool whose threads never delay the process's exit.
-
-    NOTE: concurrent.futures' pool joins its threads at exit, and a grammar compile that hangs
-    in native code (the reason for the timeout) would then hang the exit forever.
-    """
-
-    def __init__(self, workers: int, name: str) -> None:
-        self.name = name
-        self._closed = False
-        self._lock = threading.Lock()  # orders `submit` against `shutdown`
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """A future of fn(*args); after `shutdown`, one that fails at once (no worker is left
-        to run it, and a waiter must not wait forever)."""
-        future: Future[Any] = Future()
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._jobs.put((future, fn, args))
-        if closed:
-            future.set_exception(RuntimeError(f"the {self.name} pool is shut down"))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
-
-    def shutdown(self) -> None:
-        """The jobs submitted so far still run; then the threads end."""
-        with self._lock:
-            self._closed = True
-            for _ in self._threads:
-                self._jobs.put(None)
 
 
 class GrammarError(Exception):
@@ -251,7 +195,7 @@ class GrammarManager:
             workers * len(self.order) + SPARE_COMPILE_THREADS, "weft-grammar"
         )
         # a step's mask fill: the batches of the backends after the first (see `fill`)
-        self._fills = DaemonPool(len(self.order) - 1 or 1, "weft-grammar-fill")
+        self._fills = MaskFill(len(self.order))
 
     @property
     def vocab(self) -> TokenVocab:
@@ -452,37 +396,19 @@ class GrammarManager:
     def fill(self, grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill the given rows of a CPU int32 bitmask, batched per backend where it can; the
         backends' batches run at once (each on its own native threads, without the GIL)."""
-        by_backend: dict[str, list[int]] = {}
-        for i, grammar in enumerate(grammars):
-            by_backend.setdefault(grammar.backend_name, []).append(i)
-        groups = [
-            (
-                grammars[m[0]].compiled.backend,
-                [grammars[i].matcher for i in m],
-                [rows[i] for i in m],
-            )
-            for m in by_backend.values()
-        ]
-        others = [self._fills.submit(_fill_group, *group, bitmask) for group in groups[1:]]
-        try:
-            done = [_fill_group(*groups[0], bitmask)]
-        finally:
-            # NOTE: no backend may still write into the bitmask once this returns or raises
-            # (the caller refills rows one by one after a failure)
-            futures.wait(others)
-        done += [job.result() for job in others]
-        can_end = [False] * len(grammars)
-        for members, flags in zip(by_backend.values(), done, strict=True):
-            for i, end in zip(members, flags, strict=True):
-                can_end[i] = end
-        # end tokens: allowed exactly where the grammar may end (rows grouped by end-token list)
-        by_ends: dict[tuple[int, ...], tuple[list[int], list[bool]]] = {}
-        for grammar, row, end in zip(grammars, rows, can_end, strict=True):
-            group = by_ends.setdefault(tuple(grammar.end_ids), ([], []))
-            group[0].append(row)
-            group[1].append(end)
-        for ends, (group_rows, flags) in by_ends.items():
-            set_bits_rows(bitmask, group_rows, list(ends), flags)
+        self._fills.fill(grammars, bitmask, rows)
+
+    def start_fill(
+        self,
+        grammars: list[RequestGrammar],
+        bitmask: torch.Tensor,
+        rows: list[int],
+        *,
+        inline: bool = False,
+    ) -> FillJob:
+        """`fill`, running while the caller goes on: the bitmask's rows are ready after
+        `FillJob.join` (see MaskFill.start)."""
+        return self._fills.start(grammars, bitmask, rows, inline=inline)
 
     def fill_draft(
         self, grammar: RequestGrammar, draft: list[int], bitmask: torch.Tensor, row: int
@@ -604,14 +530,3 @@ def _cut_at_char(data: bytes, limit: int) -> bytes:
     while end > 0 and data[end] & 0xC0 == 0x80:  # a continuation byte
         end -= 1
     return data[:end]
-
-
-def _fill_group(
-    backend: GrammarBackend, matchers: list[Matcher], rows: list[int], bitmask: torch.Tensor
-) -> list[bool]:
-    """One backend's rows of a step's fill; returns where each may end."""
-    if len(matchers) > 1:
-        backend.fill_many(matchers, bitmask, rows)
-    else:
-        matchers[0].fill_bitmask(bitmask, rows[0])
-    return backend.can_end_many(matchers, bitmask, rows)

@@ -194,6 +194,19 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    # tokens the previous step sampled and nobody read yet (overlap schedule): input_ids
+    # positions, and their rows in that step's sampled ids (`feed_pending`)
+    pending_at: torch.Tensor | None = None
+    pending_rows: torch.Tensor | None = None
+
+    def feed_pending(self, sampled_ids: torch.Tensor | None) -> None:
+        """Copy the pending tokens into input_ids, on the device (queued behind the sampling
+        that writes them: launch that first)."""
+        if self.pending_at is None:
+            return
+        assert sampled_ids is not None, "a request has a pending token but no ids were given"
+        self.input_ids[self.pending_at] = sampled_ids[self.pending_rows]
+        self.pending_at = self.pending_rows = None
 
     @property
     def batch_size(self) -> int:

@@ -35,7 +35,9 @@ def build_batch(
     """Allocates the step's KV slots and lays the requests' new tokens out contiguously.
 
     pending_ids: the previous step's sampled ids on the device (overlap schedule); a request's
-    pending token (`Req.pending`) is read from there, on the device, not from the host.
+    pending token (`Req.pending`) is read from there, on the device, not from the host. Without
+    them, the batch feeds its pending tokens later (`ForwardBatch.feed_pending`): the previous
+    step's sampling may be launched after this layout.
     A work item past the end of a request's tokens feeds that many tokens of its draft.
     """
     ids: list[int] = []
@@ -129,8 +131,9 @@ def build_batch(
     )
     memory.req_to_token.scatter(dev["token_rows"], batch.positions, loc)
     if future_at:
-        assert pending_ids is not None, "a request has a pending token but no ids were given"
-        batch.input_ids[dev["future_at"]] = pending_ids[dev["future_rows"]]
+        batch.pending_at, batch.pending_rows = dev["future_at"], dev["future_rows"]
+        if pending_ids is not None:
+            batch.feed_pending(pending_ids)
     return batch, plans
 
 

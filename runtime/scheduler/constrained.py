@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import time
 
@@ -16,6 +17,7 @@ import torch
 
 from weft.grammars.bitmask import allocate_bitmask, set_bits_rows
 from weft.grammars.manager import Compiled, GrammarManager, RequestGrammar
+from weft.grammars.mask_fill import FillJob
 from weft.grammars.vocab import TokenVocab
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import FinishReason, Req
@@ -34,9 +36,22 @@ GRAMMAR_MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.0
 # row of logits and a grammar mask).
 MAX_DRAFT_TOKENS = 16
 
-# (logits, requests by row, (bitmask rows on the logits' device, the constrained rows) or None,
-# the requests whose grammar backend failed: ended, their rows dropped)
-Masked = tuple[torch.Tensor, list[Req], tuple[torch.Tensor, list[int]] | None, list[Req]]
+# (bitmask rows on the logits' device, the constrained rows) or None (no row is constrained)
+DeviceMask = tuple[torch.Tensor, list[int]] | None
+
+
+@dataclasses.dataclass
+class MaskJob:
+    """A step's masks being filled (`Constrained.start_masks`), for the requests by row."""
+
+    reqs: list[Req]
+    rows: list[int]  # the rows that get a mask
+    firsts: list[int]  # the grammar rows (a request's first row: before any draft token)
+    forced: list[int]  # the rows a thinking phase forces one token on
+    drafts: dict[Req, list[int]]
+    bitmask: torch.Tensor  # CPU rows, pinned on CUDA
+    fill: FillJob | None
+    host_s: float  # the caller's time in start_masks
 
 
 def _masked(req: Req) -> bool:
@@ -175,51 +190,66 @@ class Constrained:
 
     # ---- the step's masks -----------------------------------------------------------------
 
-    def fill_bitmask(
-        self, logits: torch.Tensor, reqs: list[Req], drafts: dict[Req, list[int]]
-    ) -> Masked:
-        """Mask rows for the requests by row of `logits` (see `Masked`).
+    def start_masks(
+        self, reqs: list[Req], drafts: dict[Req, list[int]], *, wait: bool
+    ) -> MaskJob | None:
+        """Start filling the mask rows for the requests by row (None: no row gets one). The
+        grammars' batches run on their native threads until `finish_masks`; a request's grammar
+        must not be touched (accepts, drafts) meanwhile. wait: the caller finishes them next
+        (some of the fill then runs on this thread).
 
         A drafting request has a row per draft token after its first: masked as its grammar
-        stands after that token. A draft the grammar does not take whole is cut in place."""
+        stands after that token (filled in `finish_masks`)."""
         rows = [i for i, r in enumerate(reqs) if _masked(r)]
         if not rows:
-            return logits, reqs, None, []
+            return None
+        start = time.perf_counter()
         vocab_size = self.runner.model_config.vocab_size
         if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
             size = max(len(reqs), self.config.max_running_requests)
             self._bitmask = allocate_bitmask(
                 size, vocab_size, pin=self.runner.device.type == "cuda"
             )
+        # NOTE: one pinned buffer for every step: the previous step's copy from it to the device
+        # is done, as its sampled tokens (sampled after the copy) were read back before this
         bitmask = self._bitmask[: len(reqs)]
-        start = time.perf_counter()
         firsts = [i for i in rows if i == 0 or reqs[i - 1] is not reqs[i]]
         forced = [i for i in firsts if _forced(reqs[i]) is not None]
         firsts = [i for i in firsts if i not in forced]
+        grammars = [reqs[i].grammar for i in firsts]
+        fill = self.grammars.start_fill(grammars, bitmask, firsts, inline=wait) if firsts else None
+        host_s = time.perf_counter() - start
+        return MaskJob(reqs, rows, firsts, forced, drafts, bitmask, fill, host_s)
+
+    def finish_masks(self, job: MaskJob | None) -> tuple[DeviceMask, list[Req]]:
+        """Wait for the fill, add the thinking's and the drafts' rows, and copy the bitmask to
+        the device: (the mask, the requests whose grammar backend failed). Those are finished
+        (a server error) and their rows left unmasked: the caller drops their tokens and ends
+        them. A draft the grammar does not take whole is cut in place."""
+        if job is None:
+            return None, []
+        start = time.perf_counter()
+        reqs, bitmask = job.reqs, job.bitmask
         failed: list[Req] = []
         try:
-            self.grammars.fill([reqs[i].grammar for i in firsts], bitmask, firsts)
+            if job.fill is not None:
+                job.fill.join()
         except Exception:  # NOTE: a backend's bug: find the rows that raise, one by one
-            failed = self._fill_rows_apart(reqs, firsts, bitmask)
-        self._fill_thinking(reqs, firsts, forced, bitmask)
-        for i in firsts:
-            draft = drafts.get(reqs[i])
+            failed = self._fill_rows_apart(reqs, job.firsts, bitmask)
+        self._fill_thinking(reqs, job.firsts, job.forced, bitmask)
+        for i in job.firsts:
+            draft = job.drafts.get(reqs[i])
             if draft and reqs[i] not in failed:
                 try:
                     del draft[self.grammars.fill_draft(reqs[i].grammar, draft, bitmask, i) :]
                 except Exception as exc:
                     self._failed(reqs[i], exc)
                     failed.append(reqs[i])
-        if failed:
-            keep = [i for i, r in enumerate(reqs) if r not in failed]
-            logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
-            bitmask = bitmask[keep]
-            reqs = [reqs[i] for i in keep]
-            rows = [i for i, r in enumerate(reqs) if _masked(r)]
-            if not rows:
-                return logits, reqs, None, failed
-        self.mask_s.observe(time.perf_counter() - start)
-        return logits, reqs, (bitmask.to(self.runner.device, non_blocking=True), rows), failed
+        rows = [i for i in job.rows if reqs[i] not in failed] if failed else job.rows
+        self.mask_s.observe(job.host_s + time.perf_counter() - start)
+        if not rows:
+            return None, failed
+        return (bitmask.to(self.runner.device, non_blocking=True), rows), failed
 
     def _fill_thinking(
         self, reqs: list[Req], grammar_rows: list[int], forced: list[int], bitmask: torch.Tensor

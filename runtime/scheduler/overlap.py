@@ -64,11 +64,10 @@ def launch(
     its first row. Read back at once where logprobs are wanted (rare: no overlap then)."""
     ids, raw_logprobs = sampled
     flight = InFlight(step, reqs, ids, raw_logprobs)
+    mark_pending(step, reqs)
     for i, req in enumerate(reqs):
-        if i == 0 or reqs[i - 1] is not req:  # its first row
-            req.pending = (step, i)
-            if req in drafts:
-                flight.drafts[i] = drafts[req]
+        if req.pending == (step, i) and req in drafts:
+            flight.drafts[i] = drafts[req]
     if overlap and raw_logprobs is not None:
         flight.read()
     elif overlap and ids.is_cuda:
@@ -79,6 +78,14 @@ def launch(
         flight.ready = torch.cuda.Event()
         flight.ready.record()
     return flight
+
+
+def mark_pending(step: int, reqs: list[Req]) -> None:
+    """Each live request's token of the step is pending at its first row; a finished one's
+    (its grammar backend failed while its mask was filled) is dropped."""
+    for i, req in enumerate(reqs):
+        if i == 0 or reqs[i - 1] is not req:
+            req.pending = None if req.finished else (step, i)
 
 
 def read_tokens(flight: InFlight, constrained: Constrained) -> list[Req]:

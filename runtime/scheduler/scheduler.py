@@ -7,6 +7,7 @@ the overlap schedule the tokens are read back during the next step's forward (`o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -23,14 +24,31 @@ from weft.runtime.sampler import sample_on_device
 from weft.runtime.scheduler.admission import Admission, default_chunk_size
 from weft.runtime.scheduler.arrivals import Arrivals
 from weft.runtime.scheduler.batch_builder import RowPlan, build_batch
-from weft.runtime.scheduler.constrained import Constrained
+from weft.runtime.scheduler.constrained import Constrained, MaskJob
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
-from weft.runtime.scheduler.overlap import InFlight, launch, overlap_schedule, read_tokens
+from weft.runtime.scheduler.overlap import (
+    InFlight,
+    launch,
+    mark_pending,
+    overlap_schedule,
+    read_tokens,
+)
 from weft.runtime.scheduler.step_profile import step_profile
 from weft.runtime.tokenizer import load_tokenizer
 
 PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at once
+
+
+@dataclasses.dataclass
+class Sampling:
+    """A step's sampling, not launched yet: its masks are being filled (overlap schedule)."""
+
+    step: int
+    logits: torch.Tensor
+    reqs: list[Req]  # by row of logits
+    drafts: dict[Req, list[int]]
+    masks: MaskJob | None
 
 
 def build_scheduler(config: EngineConfig, source: ModelSource) -> Scheduler:
@@ -75,6 +93,7 @@ class Scheduler:
         self.running: list[Req] = []
         self._updates: list[Req] = []  # got a token or finished since the last step returned
         self._inflight: InFlight | None = None
+        self._sampling: Sampling | None = None  # launched once the next step is laid out
         self.num_retractions = 0
         self.num_steps = 0
         self.num_tokens_computed = 0  # tokens through the model (prefill + decode)
@@ -112,7 +131,7 @@ class Scheduler:
         """Abort by rid (or every child of an n > 1 group). Returns whether anything matched."""
         queues = (self.running, self.waiting, self.grammar_wait)
         hit = [r for q in queues for r in q if rid in (r.rid, r.group_rid)]
-        if hit and self._inflight is not None:
+        if hit and self._unresolved:
             self._resolve()  # release() needs every token of the request on the host
             hit = [r for r in hit if not r.finished]
         # NOTE: a request a read-back gave a token is in _updates; the abort reports it (that
@@ -131,7 +150,12 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         queued = self.waiting or self.running or self.grammar_wait or self._updates
-        return bool(queued) or self._inflight is not None
+        return bool(queued) or self._unresolved
+
+    @property
+    def _unresolved(self) -> bool:
+        """A step's tokens are not on the host yet (sampled, or still to be)."""
+        return self._inflight is not None or self._sampling is not None
 
     # ---- the loop body --------------------------------------------------------------------
 
@@ -145,15 +169,13 @@ class Scheduler:
             ready, failed = self.constrained.poll(self.grammar_wait)
             self.waiting += ready
             self._report(failed)
-        if self._inflight is not None and self.admission.decode_short(self.running):
+        if self._unresolved and self.admission.decode_short(self.running):
             self._resolve()  # a retracted request must have its tokens on the host
-        decision = self.admission.schedule(
-            self.running, self.waiting, in_flight=self._inflight is not None
-        )
+        decision = self.admission.schedule(self.running, self.waiting, in_flight=self._unresolved)
         self.num_retractions += len(decision.retracted)
         if decision.work:
             self._run(decision.work)
-        elif self._inflight is not None:
+        elif self._unresolved:
             self._resolve()
         elif self.grammar_wait and not self._updates:
             self.constrained.wait(self.grammar_wait)
@@ -164,16 +186,17 @@ class Scheduler:
     def _run(self, work: list[tuple[Req, int]]) -> None:
         """The forward of the step's work; the previous step's tokens are read back while it
         runs (overlap schedule), this step's right after it otherwise."""
-        prev = self._inflight
-        batch, plans = build_batch(
-            work, self.memory, self.runner.device, prev.ids if prev is not None else None
-        )
+        batch, plans = build_batch(work, self.memory, self.runner.device)
         self.profile.mark("sched")
+        failed = self._sample()  # the previous step's: its masks were filled meanwhile
+        prev = self._inflight
+        batch.feed_pending(prev.ids if prev is not None else None)
         hidden = self.runner.forward(batch)
         self.profile.mark("forward")
         self.profile.count("tokens", batch.num_tokens)
         for plan in plans:
             plan.req.kv_len += plan.num_tokens
+        self._end(failed)  # NOTE: not before: this step's slots must count as theirs to free
         self.num_steps += 1
         self.num_tokens_computed += batch.num_tokens
         if prev is not None:
@@ -220,18 +243,39 @@ class Scheduler:
         logits = self.runner.logits(hidden)
         self.profile.mark("logits")
         start = time.perf_counter()
-        # NOTE: filled while the device computes the forward and the logits (launched, not awaited)
-        logits, reqs, bitmask, failed = self.constrained.fill_bitmask(logits, reqs, drafts)
+        # NOTE: the masks are filled while the device computes the forward and the logits
+        # (launched, not awaited), and under the overlap schedule while the host lays out the
+        # next step too: this step samples right before that one's forward. Not with drafts:
+        # which draft tokens the model takes decides what the next step feeds.
+        defer = self.overlap and not drafts
+        masks = self.constrained.start_masks(reqs, drafts, wait=not defer)
+        self.profile.host("fill_s", start)
+        self.profile.count("rows", len(reqs))
+        self.profile.count("masked_rows", len(masks.rows) if masks is not None else 0)
+        self._sampling = Sampling(self.num_steps, logits, reqs, drafts, masks)
+        if defer and masks is not None:
+            mark_pending(self.num_steps, reqs)  # (the next step reads them from the device)
+        else:
+            self._end(self._sample())
+
+    def _sample(self) -> list[Req]:
+        """Launch the sampling whose masks were being filled. Returns the requests whose grammar
+        backend failed meanwhile: finished, their tokens dropped; the caller ends them (frees
+        their KV)."""
+        sampling, self._sampling = self._sampling, None
+        if sampling is None:
+            return []
+        start = time.perf_counter()
+        mask, failed = self.constrained.finish_masks(sampling.masks)
         self.profile.host("fill_s", start)
         self.profile.mark("mask")
-        self.profile.count("rows", len(reqs))
-        self.profile.count("masked_rows", len(bitmask[1]) if bitmask is not None else 0)
-        self._end(failed)
-        if reqs:  # (else every row's grammar backend failed)
-            fused = not self.config.disable_fused_sampling
-            sampled = sample_on_device(logits, reqs, self.end_ids, bitmask, fused=fused)
-            self._inflight = launch(self.num_steps, reqs, sampled, drafts, overlap=self.overlap)
-            self.profile.mark("sampling")
+        fused = not self.config.disable_fused_sampling
+        sampled = sample_on_device(sampling.logits, sampling.reqs, self.end_ids, mask, fused=fused)
+        self._inflight = launch(
+            sampling.step, sampling.reqs, sampled, sampling.drafts, overlap=self.overlap
+        )
+        self.profile.mark("sampling")
+        return failed
 
     def _score_prompt(self, hidden: torch.Tensor, plan: RowPlan) -> None:
         for lo in range(0, len(plan.prompt_rows), PROMPT_LOGITS_CHUNK):
@@ -242,7 +286,9 @@ class Scheduler:
             self.output.record_prompt_logprobs(plan.req, logprobs, positions)
 
     def _resolve(self) -> None:
-        """Read back the in-flight step's tokens: report who got one, end who finished."""
+        """Read back the in-flight step's tokens (launching its sampling first, if its masks
+        were still being filled): report who got one, end who finished."""
+        self._end(self._sample())
         flight, self._inflight = self._inflight, None
         if flight is None:
             return

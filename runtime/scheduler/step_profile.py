@@ -16,7 +16,9 @@ A step's *marks* are points on the device's timeline, each named after the segme
 | `sampling` | after the sampling is launched          | the sampling                              |
 
 Their order varies (under the overlap schedule the previous step's read-back sits between the
-forward and the logits; without it, at the end of the step), so segments are summed by name, and
+forward and the logits, and its mask and sampling between the layout and the forward: a step's
+masks are filled while the next one is laid out; without it, at the end of the step), so
+segments are summed by name, and
 a step's first segment starts at the previous step's last mark. The segments of a step add up to
 its time on the device's timeline.
 
