@@ -81,7 +81,7 @@ def main() -> None:
     ax.margins(y=0.2)
     device = records[0]["device"].split(",")[0]
     ax.set_title(
-        f"Constrained (C) vs unconstrained (U) decoding, {records[0]['schemas']} schemas\n"
+        f"Constrained (C) vs unconstrained (U) decoding, {_schemas(records)} schemas\n"
         f"{device}, {records[0]['model']}, {records[0]['graphs']}",
         fontsize=9,
     )
@@ -89,6 +89,11 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.out, dpi=150)
     print(f"wrote {args.out}")
+
+
+def _schemas(records: list[dict[str, Any]]) -> str:
+    """The schema counts of the runs ("75" or "75 / 16": batch sizes may run on a subset)."""
+    return " / ".join(str(n) for n in dict.fromkeys(r["schemas"] for r in records))
 
 
 if __name__ == "__main__":
