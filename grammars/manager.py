@@ -38,7 +38,7 @@ import torch
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
 from weft.grammars.daemon_pool import DaemonPool
 from weft.grammars.jump_forward import settled_tokens
-from weft.grammars.mask_fill import FillJob, MaskFill
+from weft.grammars.mask_fill import MaskFill
 from weft.grammars.spec import INLINE_SPEC_CHARS, GrammarSpec, parse_spec, skip_class
 from weft.grammars.vocab import TokenVocab
 
@@ -194,8 +194,9 @@ class GrammarManager:
         self._compiles = DaemonPool(
             workers * len(self.order) + SPARE_COMPILE_THREADS, "weft-grammar"
         )
-        # a step's mask fill: the batches of the backends after the first (see `fill`)
-        self._fills = MaskFill(len(self.order))
+        # a step's mask fill: the backends' batches side by side (`fill`, or started and
+        # joined later by the scheduler: MaskFill.start)
+        self.fills = MaskFill(len(self.order))
 
     @property
     def vocab(self) -> TokenVocab:
@@ -396,19 +397,7 @@ class GrammarManager:
     def fill(self, grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill the given rows of a CPU int32 bitmask, batched per backend where it can; the
         backends' batches run at once (each on its own native threads, without the GIL)."""
-        self._fills.fill(grammars, bitmask, rows)
-
-    def start_fill(
-        self,
-        grammars: list[RequestGrammar],
-        bitmask: torch.Tensor,
-        rows: list[int],
-        *,
-        inline: bool = False,
-    ) -> FillJob:
-        """`fill`, running while the caller goes on: the bitmask's rows are ready after
-        `FillJob.join` (see MaskFill.start)."""
-        return self._fills.start(grammars, bitmask, rows, inline=inline)
+        self.fills.fill(grammars, bitmask, rows)
 
     def fill_draft(
         self, grammar: RequestGrammar, draft: list[int], bitmask: torch.Tensor, row: int
@@ -430,7 +419,7 @@ class GrammarManager:
     def shutdown(self) -> None:
         self._chains.shutdown()
         self._compiles.shutdown()
-        self._fills.shutdown()
+        self.fills.shutdown()
 
 
 def _refusal(exc: BaseException) -> str:

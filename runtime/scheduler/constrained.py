@@ -217,7 +217,7 @@ class Constrained:
         forced = [i for i in firsts if _forced(reqs[i]) is not None]
         firsts = [i for i in firsts if i not in forced]
         grammars = [reqs[i].grammar for i in firsts]
-        fill = self.grammars.start_fill(grammars, bitmask, firsts, inline=wait) if firsts else None
+        fill = self.grammars.fills.start(grammars, bitmask, firsts, inline=wait) if firsts else None
         host_s = time.perf_counter() - start
         return MaskJob(reqs, rows, firsts, forced, drafts, bitmask, fill, host_s)
 
