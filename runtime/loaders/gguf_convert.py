@@ -52,6 +52,7 @@ from weft.runtime.loaders.gguf_quant import (
     INT4_TYPES,
     INT8_TYPES,
     form_of,
+    int4_from_rows,
     int4_groups,
     int8_rows,
     pack_nibbles,
@@ -81,6 +82,10 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 _STORED_DTYPES = {**_SAFETENSORS_DTYPES, torch.uint8: "U8", torch.int8: "I8"}
 # HF names (under model.layers.{i}.) of the linear weights quantized=True keeps quantized, and
 # the groups the runtime merges into one matrix (qkv, gate_up), which must share one form
+# NOTE: torch's int8 CPU matmul is slower than bf16 torch.mv for the lm_head's 151936 x 896 at
+# one row (2-core Xeon, 1 thread: 22 vs 18 ms; int4: 9 ms), so an int8-type lm_head (Q8_0 in
+# Q4_K_M files) is requantized to int4 groups of 32: perplexity measured in test_quantized.py
+_LM_HEAD_INT4 = True
 _QUANT_GROUPS = (
     ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     ("self_attn.o_proj.weight",),
@@ -688,6 +693,8 @@ def _quantize_plan(entries: list[_Entry], src: Path) -> list[_Entry]:
                 )
             forms.append(form)
         form = forms[0] if len(set(forms)) == 1 else "dense" if "dense" in forms else "int8"
+        if form == "int8" and entries[members[0]].name == "lm_head.weight" and _LM_HEAD_INT4:
+            form = "int4"
         rows = sum(entries[idx].shape[0] for idx in members)
         if form == "int4" and rows % 16:
             names = ", ".join(repr(entries[idx].source.name) for idx in members)
@@ -775,10 +782,12 @@ def _entry_data(e: _Entry, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     if e.form == "dense":
         yield from _tensor_chunks(e, dtype)
         return
-    if e.form == "int4":  # every member an int4 type: exact (gguf_quant.int4_groups)
-        q, scale, zero = (
-            torch.from_numpy(a) for a in int4_groups(e.source.data, e.source.tensor_type)
-        )
+    if e.form == "int4":
+        if e.source.tensor_type in INT4_TYPES:  # exact (gguf_quant.int4_groups)
+            groups = int4_groups(e.source.data, e.source.tensor_type)
+        else:  # the lm_head, requantized (_LM_HEAD_INT4)
+            groups = int4_from_rows(gguf.quants.dequantize(e.source.data, e.source.tensor_type))
+        q, scale, zero = (torch.from_numpy(a) for a in groups)
         if e.unpermute_heads:
             q, scale, zero = (unpermute_rows(t, e.unpermute_heads) for t in (q, scale, zero))
         yield torch.from_numpy(pack_nibbles(q.numpy()))

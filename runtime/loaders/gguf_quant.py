@@ -1,9 +1,11 @@
 """GGUF blocks -> the two weight-only forms weft's CPU matmuls take (numpy, at conversion time).
 
-    form  GGUF types             stored (per linear weight [N, K])                     exact?
-    int4  Q4_0, Q4_1, Q4_K       qweight u8 [N, K/2] (k even: low nibble, k odd: high),  yes (*)
-                                 qscale, qzero f32 [N, K/32]; w = (q - 8) * scale + zero
-    int8  Q5_0, Q8_0, Q6_K       qweight i8 [N, K], qscale f32 [N]; w = q * scale          no
+    form  GGUF types               stored (per linear weight [N, K])                   exact?
+    int4  Q4_0, Q4_1, Q4_K         qweight u8 [N, K/2] (k even: low nibble, odd: high), yes (*)
+                                   qscale, qzero f32 [N, K/32];
+                                   w = (q - 8) * scale + zero
+    int8  Q5_0, Q5_1, Q5_K, Q6_K,  qweight i8 [N, K], qscale f32 [N]; w = q * scale     no
+          Q8_0
 
 (*) every GGUF int4 type is an affine map of q in 0..15 per group of 32 (Q4_K: 8 sub-blocks of
 32 per super-block, scale d * sc, offset -dmin * m), so the groups carry over exactly; the
@@ -23,7 +25,7 @@ import numpy as np
 T = gguf.GGMLQuantizationType
 GROUP = 32  # the int4 form's group size along K
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
-INT8_TYPES = (T.Q5_0, T.Q8_0, T.Q6_K)
+INT8_TYPES = (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0)
 DENSE_TYPES = (T.F32, T.F16, T.BF16)
 
 
@@ -86,6 +88,17 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     out = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
     out[:, 0::2], out[:, 1::2] = packed & 0x0F, packed >> 4
     return out
+
+
+def int4_from_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dequantized rows f32 [N, K] -> the int4 groups of `int4_groups` (asymmetric min..max
+    per group of 32): lossy, for the lm_head only (see _LM_HEAD_INT4 in gguf_convert)."""
+    n, k = w.shape
+    groups = w.reshape(n, k // GROUP, GROUP)
+    lo, hi = groups.min(axis=-1), groups.max(axis=-1)
+    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint((groups - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    return q.reshape(n, k), scale, (lo + 8 * scale).astype(np.float32)
 
 
 def int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
