@@ -7,6 +7,7 @@ it both ways and compare logits, greedy tokens and perplexity.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -14,13 +15,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_gguf import IDS, tiny_llama, write_gguf
+from test_gguf import IDS, SPM_VOCAB, hf_weights, tiny_llama, write_gguf
 
 from weft.runtime.loaders import gguf_convert
 from weft.runtime.loaders.gguf_convert import _Entry, _entry_data, _outputs, convert_gguf
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
 
-from conftest import make_engine, require_default_model
+from conftest import fixture_path, make_engine, require_default_model
 
 Q = gguf.GGMLQuantizationType
 # Max |x @ W_kernel^T - x @ W_gguf^T| / max |x @ W_gguf^T| over 4 rows of unit-normal x, measured
@@ -34,6 +35,11 @@ TOLERANCE = {
     Q.Q5_0: 0.03,  # [0.0146]
     Q.Q8_0: 0.03,  # [0.0184]
 }
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Path:
+    return fixture_path(*SPM_VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +177,8 @@ def test_default_model_quantized_vs_dequantized(both_ways):
 # -- what the quantized form refuses -----------------------------------------------------------
 
 
-def test_unsupported_type_names_the_tensor_and_type(tmp_path):
-    model = tiny_llama(256, head_dim=None, scaling=None, tied=False)
+def test_unsupported_type_names_the_tensor_and_type(tmp_path, caplog, vocab, monkeypatch):
+    model = tiny_llama(32000, head_dim=None, scaling=None, tied=False)
     path = tmp_path / "iq4.gguf"
 
     def qtype(gname: str) -> Q:
@@ -180,17 +186,33 @@ def test_unsupported_type_names_the_tensor_and_type(tmp_path):
             return Q.IQ4_NL
         return Q.F32 if "norm" in gname else Q.Q8_0
 
-    write_gguf(path, model, qtype)
+    quantize = gguf.quants.quantize
+
+    def iq4_nl_as_zeros(arr: np.ndarray, qtype: Q) -> np.ndarray:  # gguf-py cannot write IQ4_NL
+        if qtype != Q.IQ4_NL:
+            return quantize(arr, qtype)
+        return np.zeros((arr.shape[0], arr.shape[1] // 32 * 18), np.uint8)  # 18 bytes / 32
+
+    monkeypatch.setattr(gguf.quants, "quantize", iq4_nl_as_zeros)
+    write_gguf(path, model, qtype, vocab=vocab)
     with pytest.raises(ValueError, match=r"'blk\.1\.attn_output\.weight' is IQ4_NL"):
         convert_gguf(path, tmp_path / "cache", torch.bfloat16, quantized=True)
-    # dequantized, the same file loads
+    # dequantized, the same file loads; quantization auto keeps that weight dense and says so
     assert convert_gguf(path, tmp_path / "cache", torch.bfloat16).is_dir()
+    with caplog.at_level(logging.WARNING, logger="weft"):
+        folder = convert_gguf(
+            path, tmp_path / "cache", torch.bfloat16, quantized=True, fallback=True
+        )
+    assert "blk.1.attn_output.weight: IQ4_NL" in caplog.text
+    names = set(hf_weights(folder))
+    assert "model.layers.1.self_attn.o_proj.weight" in names
+    assert "model.layers.0.self_attn.o_proj.qweight" in names
 
 
-def test_tiny_llama_quantized_through_weft(tmp_path):
+def test_tiny_llama_quantized_through_weft(tmp_path, vocab):
     """A llama file (q/k rows permuted by llama.cpp) with int4 and int8 weights: weft's greedy
     tokens equal those of the same file dequantized."""
-    model = tiny_llama(256, head_dim=None, scaling=None, tied=False)
+    model = tiny_llama(32000, head_dim=None, scaling=None, tied=False)
     path = tmp_path / "mixed.gguf"
 
     def qtype(gname: str) -> Q:
@@ -198,8 +220,8 @@ def test_tiny_llama_quantized_through_weft(tmp_path):
             return Q.F32
         return Q.Q4_0 if "attn" in gname else Q.Q8_0
 
-    write_gguf(path, model, qtype)
-    prompt = [int(i) for i in IDS[0] % 256]
+    write_gguf(path, model, qtype, vocab=vocab)
+    prompt = IDS[0].tolist()
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     outputs = {}
     for quantization in ("none", "gguf"):

@@ -156,10 +156,16 @@ class _Entry:
 
 
 def convert_gguf(
-    gguf_path: str | Path, cache_root: Path, dtype: torch.dtype, *, quantized: bool = False
+    gguf_path: str | Path,
+    cache_root: Path,
+    dtype: torch.dtype,
+    *,
+    quantized: bool = False,
+    fallback: bool = False,
 ) -> Path:
     """The HF-style folder for `gguf_path` in `dtype` (quantized: linear weights in int4 / int8,
-    see the module docstring), converting it on first use.
+    see the module docstring), converting it on first use. fallback (quantization auto): a weight
+    of a type neither form takes stays dense, with a warning naming it, instead of an error.
 
     Raises FileNotFoundError for a missing file and ValueError for anything this converter
     cannot read (not GGUF, truncated, unknown architecture or tensor type).
@@ -176,17 +182,26 @@ def convert_gguf(
     if _read_json(out / MARKER) == marker:
         logger.info("using converted model cached at %s", out)
         _log_window(src, _read_json(out / "config.json"))
+        _log_dense_fallback(src, _read_json(out / "config.json"))
         return out
 
     reader = _open_reader(src)
     config, entries = _plan(reader, src, dtype)
     if quantized:
-        entries = _quantize_plan(entries, src)
+        entries = _quantize_plan(entries, src, fallback)
         forms = [e.form for e in entries]
         config["quantization_config"] = {
             "quant_method": "weft-gguf",
             "int4": forms.count("int4"),
             "int8": forms.count("int8"),
+            # linear weights of types neither form takes (fallback), as "name: TYPE"
+            "dense": [
+                f"{e.source.name}: {e.source.tensor_type.name}"
+                for e in entries
+                if e.form == "dense"
+                and e.source is not None
+                and form_of(e.source.tensor_type) is None
+            ],
         }
     template = _meta(reader, "tokenizer.chat_template", src, None)
     add_bos = _meta(reader, "tokenizer.ggml.add_bos_token", src, None)
@@ -207,7 +222,21 @@ def convert_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s; cached at %s", src.name, out)
     _log_window(src, config)
+    _log_dense_fallback(src, config)
     return out
+
+
+def _log_dense_fallback(src: Path, config: dict[str, Any]) -> None:
+    """Quantization auto: the linear weights left dense, said at every load."""
+    dense = (config.get("quantization_config") or {}).get("dense") or []
+    if dense:
+        logger.warning(
+            "%s: %d linear weight(s) of types weft cannot keep quantized run dequantized "
+            "(slower decode): %s",
+            src.name,
+            len(dense),
+            ", ".join(dense[:5]) + (" ..." if len(dense) > 5 else ""),
+        )
 
 
 def _log_window(src: Path, config: dict[str, Any]) -> None:
@@ -664,7 +693,7 @@ def _expert_entries(
     return entries
 
 
-def _quantize_plan(entries: list[_Entry], src: Path) -> list[_Entry]:
+def _quantize_plan(entries: list[_Entry], src: Path, fallback: bool) -> list[_Entry]:
     """Each linear weight's form (gguf_quant.form_of); a merged group (q/k/v, gate/up) takes
     one: int4 if all its members are int4 types, else int8 (dense if any member is a float)."""
     suffix_group = {name: gi for gi, group in enumerate(_QUANT_GROUPS) for name in group}
@@ -684,6 +713,8 @@ def _quantize_plan(entries: list[_Entry], src: Path) -> list[_Entry]:
         for idx in members:
             t = entries[idx].source
             form = form_of(t.tensor_type)
+            if form is None and fallback:
+                form = "dense"  # NOTE: logged at every load (_log_dense_fallback)
             if form is None:
                 raise ValueError(
                     f"{src}: tensor {t.name!r} is {t.tensor_type.name}, a type weft cannot keep "

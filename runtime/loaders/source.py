@@ -50,7 +50,8 @@ def resolve_source(config: EngineConfig) -> ModelSource:
 
         dtype = _gguf_dtype(config)
         quantized = gguf_quantized(config, dtype)
-        folder = convert_gguf(path, cache_root, dtype, quantized=quantized)
+        fallback = config.quantization == "auto"
+        folder = convert_gguf(path, cache_root, dtype, quantized=quantized, fallback=fallback)
         fmt = "safetensors"
     else:
         folder = path
