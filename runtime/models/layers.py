@@ -68,6 +68,10 @@ class QuantWeight(nn.Module):
             raise ValueError(f"quantized weights compute in bfloat16 activations, not {dtype}")
         self.form = form
         qweight = parts["qweight"]
+        if qweight.device.type != "cpu":
+            raise ValueError(
+                "quantized GGUF weights run on the CPU only (load with quantization none)"
+            )
         self.out_features = qweight.shape[0]
         self.packed: torch.Tensor
         self.scales: torch.Tensor
@@ -114,15 +118,6 @@ class QuantWeight(nn.Module):
         else:
             out = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
         return out if bias is None else out + bias
-
-    def dequantized(self) -> torch.Tensor:
-        """The weight [out, in] as the kernels see it, in float32 (tests, checks)."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        dense, self.dense = self.dense, None
-        try:
-            return self.matmul(eye, None).float().t().contiguous()
-        finally:
-            self.dense = dense
 
 
 class _QuantLoading:
