@@ -1,5 +1,7 @@
 """weft vs llama.cpp (llama-cpp-python) on this CPU, on the same GGUF file: the embedded default
-model's Q4_K_M (Qwen2.5-Coder-0.5B-Instruct), which weft dequantizes and llama.cpp runs as is.
+model's Q4_K_M (Qwen2.5-Coder-0.5B-Instruct). llama.cpp runs its blocks as they are; weft keeps
+them quantized (int4 / int8, `--quantization gguf`, its default on a CPU with bf16 in hardware) or
+dequantizes them (`none`); `--quantization none,auto` runs weft once per value in the same run.
 
 Workloads, greedy, end tokens ignored, the same raw prompt text on both sides (each side
 tokenizes it; the script checks that the ids agree):
@@ -15,7 +17,7 @@ Single-stream times are medians of --repeats runs: TTFT is a 1-token run, decode
 child process of this script (one after the other), with the same thread count.
 
     pip install 'weft[llamacpp]'    # builds llama.cpp from source (5-15 minutes)
-    python benchmarks/bench_llamacpp.py [--threads N] [--dtype float32]
+    python benchmarks/bench_llamacpp.py [--threads N] [--dtype float32] [--quantization none,auto]
 
 NOTE: llama.cpp's default build (-march=native) uses AMX where the CPU lists it; a VM whose
 kernel lists AMX but does not enable it (this project's CPU machines) kills the first forward
@@ -187,10 +189,19 @@ def run_weft(args: argparse.Namespace, texts: dict[str, Any]) -> dict:
     import torch
 
     from weft import Engine
+    from weft.runtime.models.layers import QuantWeight
     from weft.runtime.tokenizer import encode_prompt
 
-    progress(f"weft: starting Engine(dtype={args.dtype}, num_threads={args.threads})")
-    engine = Engine(dtype=args.dtype, num_threads=args.threads, log_level="warning")
+    progress(
+        f"weft: starting Engine(dtype={args.dtype}, quantization={args.quantization}, "
+        f"num_threads={args.threads})"
+    )
+    engine = Engine(
+        dtype=args.dtype,
+        quantization=args.quantization,
+        num_threads=args.threads,
+        log_level="warning",
+    )
 
     def params(n: int) -> dict[str, Any]:
         return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
@@ -210,6 +221,8 @@ def run_weft(args: argparse.Namespace, texts: dict[str, Any]) -> dict:
     engine.flush_cache()
     result.update(asyncio.run(weft_batch(engine, ids["batch"], params(args.batch_output_len))))
     result["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
+    quantized = [m for m in engine.runner.model.modules() if isinstance(m, QuantWeight)]
+    result["weights"] = f"{len(quantized)} quantized linear weights" if quantized else "dense"
     result["torch_threads"] = torch.get_num_threads()
     result["prompt_ids"] = ids
     engine.shutdown()
@@ -264,9 +277,12 @@ def cpu_description() -> tuple[str, list[str]]:
     return model, [f"{flag}={'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS]
 
 
-def run_side(side: str, args: argparse.Namespace, gguf: Path, out_dir: str) -> dict:
-    result_file = Path(out_dir) / f"{side}.json"
+def run_side(
+    side: str, args: argparse.Namespace, gguf: Path, out_dir: str, extra: tuple[str, ...] = ()
+) -> dict:
+    result_file = Path(out_dir) / f"{side}{'-'.join(extra)}.json"
     argv = [*sys.argv[1:], "--side", side, "--gguf", str(gguf), "--result-file", str(result_file)]
+    argv += extra
     print(f"[{side}] running in a child process ...", flush=True)
     t = time.perf_counter()
     code = subprocess.run([sys.executable, __file__, *argv]).returncode
@@ -326,7 +342,16 @@ def parent(args: argparse.Namespace) -> None:
     gguf = default_model_gguf(default_cache_root())
     with tempfile.TemporaryDirectory(prefix="bench_llamacpp.") as out_dir:
         lcpp = run_side("llamacpp", args, gguf, out_dir)
-        weft = run_side("weft", args, gguf, out_dir)
+        wefts = {
+            q: run_side("weft", args, gguf, out_dir, ("--quantization", q))
+            for q in args.quantization.split(",")
+        }
+    for q, weft in wefts.items():
+        print(f"\n===== weft --quantization {q}: {weft['weights']} =====")
+        report(args, gguf, weft, lcpp)
+
+
+def report(args: argparse.Namespace, gguf: Path, weft: dict, lcpp: dict) -> None:
 
     model, flags = cpu_description()
     print(f"\nCPU       : {model}, {os.cpu_count()} cores; {', '.join(flags)}")
@@ -360,6 +385,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="both sides (default: all)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        help="weft's GGUF weights: auto, none or gguf; several comma-separated: one weft run each",
+    )
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--decode-len", type=int, default=128)
     p.add_argument("--prefill-len", type=int, default=512)

@@ -14,6 +14,7 @@ from weft.grammars.spec import JSON_WHITESPACE_MAX, MAX_SPEC_CHARS
 from weft.runtime.sampling_params import RequestLimits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "gguf")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -33,6 +34,20 @@ class EngineConfig:
     load_format: str = option("auto", "weights format", choices=LOAD_FORMATS)
     dtype: str = option("auto", "compute dtype", choices=DTYPES)
     device: str = option("auto", "cpu, cuda or auto")
+    quantization: str = option(
+        "auto",
+        "GGUF weights: gguf keeps the linear weights quantized (int4 / int8 CPU kernels, "
+        "bfloat16 activations), none dequantizes them to the dtype; auto: gguf on a CPU with "
+        "bfloat16 in hardware, else none",
+        choices=QUANTIZATIONS,
+    )
+    quantized_prefill: bool = option(
+        False,
+        "with quantization gguf, run prefill through the quantized kernels too (default: a "
+        "bfloat16 copy of each quantized weight serves steps of more than 4 rows, as torch's "
+        "int4 / int8 CPU matmuls are ~8x slower than bfloat16 GEMM there; on: ~half the "
+        "memory, slower prefill)",
+    )
     context_length: int | None = option(
         None, "max tokens of prompt + output (default: the model's)"
     )

@@ -11,10 +11,12 @@ from weft.runtime.attention import AttentionBackend, TorchAttention
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import ForwardBatch
 from weft.runtime.cuda_graph import CudaGraphRunner
+from weft.runtime.hardware import cpu_bf16_flags
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
 from weft.runtime.model_config import ModelConfig
+from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
 from weft.runtime.models.registry import model_class
 
 logger = logging.getLogger("weft")
@@ -26,9 +28,34 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     if config.dtype != "auto":
         return _DTYPES[config.dtype]
     stored = _DTYPES.get(model.torch_dtype or "", torch.bfloat16)
-    if device.type == "cpu" and stored == torch.float16:
-        return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has the same storage cost
+    if device.type == "cpu" and stored in (torch.float16, torch.bfloat16):
+        # fp16 matmuls are slow on CPUs; bf16 is fast only where the CPU computes it
+        return torch.bfloat16 if cpu_bf16_flags() else torch.float32
     return stored
+
+
+def _activation_text(dtype: torch.dtype, device: torch.device) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if device.type != "cpu":
+        return f"activations {name}"
+    flags = cpu_bf16_flags()
+    hardware = f"bf16 in hardware: {', '.join(flags)}" if flags else "no bf16 in hardware"
+    return f"activations {name} (CPU {hardware})"
+
+
+def _weights_text(quantized: list[QuantWeight], dtype: torch.dtype, quantized_prefill: bool) -> str:
+    """The start log's account of how the linear weights are held."""
+    name = str(dtype).removeprefix("torch.")
+    if not quantized:
+        return f"all {name}"
+    forms = [w.form for w in quantized]
+    counts = ", ".join(f"{forms.count(f)} {f}" for f in ("int4", "int8") if f in forms)
+    prefill = (
+        "prefill through them too (quantized_prefill)"
+        if quantized_prefill
+        else f"steps of > {QUANT_MAX_ROWS} rows through a {name} copy of them"
+    )
+    return f"{counts} linear weights kept quantized from the GGUF, {prefill}; the rest {name}"
 
 
 def _has_triton() -> bool:
@@ -106,6 +133,10 @@ class ModelRunner:
             self.model = cls(cfg, self.dtype)
         self._load_weights(source)
         self.model.eval()
+        quantized = [m for m in self.model.modules() if isinstance(m, QuantWeight)]
+        if config.quantized_prefill:
+            for weight in quantized:
+                weight.drop_dense()
         self.kv_pool = KVPool(
             self._pool_size(),
             cfg.num_layers,
@@ -118,11 +149,12 @@ class ModelRunner:
         self.attention = self._attention_backend()
         self.graphs = self._capture_graphs()
         logger.info(
-            "model %s: %s, %s on %s, KV pool %d tokens (%.2f GB)",
+            "model %s: %s, %s on %s; weights: %s; KV pool %d tokens (%.2f GB)",
             source.display_path,
             cfg.architecture,
-            str(self.dtype).removeprefix("torch."),
+            _activation_text(self.dtype, self.device),
             self.device,
+            _weights_text(quantized, self.dtype, config.quantized_prefill),
             self.kv_pool.size,
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
         )

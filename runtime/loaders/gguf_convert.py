@@ -10,6 +10,12 @@ The engine's HF loader then reads the folder like any checkpoint. Layout of the 
 Tensors are dequantized one at a time (large ones in row chunks) and streamed straight into
 the safetensors files, so peak memory stays near one chunk, not one model.
 
+quantized=True (the CPU's default, see loaders/source.py) keeps the linear weights (attention,
+MLP, lm_head) in a weight-only int4 or int8 form instead (loaders/gguf_quant.py): each
+`X.weight` becomes `X.qweight` + `X.qscale` (+ `X.qzero`), which runtime/models/layers.py loads
+into a QuantWeight. Embeddings, norms, biases, the MoE router and experts stay dense. A weight of
+a type neither form takes fails the conversion with its name and type.
+
 Sliding windows: gemma3 files state theirs (`gemma3.attention.sliding_window`). NOTE: llama.cpp's
 llama arch has no window (its converter writes none for Mistral, its loader reads none), so a
 Mistral 7B v0.1 GGUF (window 4096) reads as Llama with full attention in every layer, which
@@ -21,6 +27,7 @@ that have one) converts to Mistral with that window. Each load of a llama file l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -40,6 +47,16 @@ import torch
 from tqdm import tqdm
 
 from weft.runtime.loaders.end_tokens import END_TOKEN_TEXTS
+from weft.runtime.loaders.gguf_quant import (
+    GROUP,
+    INT4_TYPES,
+    INT8_TYPES,
+    form_of,
+    int4_from_rows,
+    int4_groups,
+    int8_rows,
+    pack_nibbles,
+)
 
 logger = logging.getLogger("weft")
 
@@ -58,9 +75,23 @@ SHARD_BYTES = 2 * 1024**3
 # Bump when the output layout changes, so older cache folders are rebuilt.
 # 2: control and unused (padding) tokens are special in the saved tokenizer.
 # 3: the tokenizer adds BOS exactly as the GGUF's add_bos_token says.
-_FORMAT_VERSION = 3
+# 4: quantized folders (qweight / qscale / qzero tensors); the marker records `quantized`.
+_FORMAT_VERSION = 4
 _CHUNK_BYTES = 64 << 20
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_STORED_DTYPES = {**_SAFETENSORS_DTYPES, torch.uint8: "U8", torch.int8: "I8"}
+# HF names (under model.layers.{i}.) of the linear weights quantized=True keeps quantized, and
+# the groups the runtime merges into one matrix (qkv, gate_up), which must share one form
+# NOTE: torch's int8 CPU matmul is slower than bf16 torch.mv for the lm_head's 151936 x 896 at
+# one row (2-core Xeon, 1 thread: 22 vs 18 ms; int4: 9 ms), so an int8-type lm_head (Q8_0 in
+# Q4_K_M files) is requantized to int4 groups of 32: perplexity measured in test_quantized.py
+_LM_HEAD_INT4 = True
+_QUANT_GROUPS = (
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attn.o_proj.weight",),
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ("mlp.down_proj.weight",),
+)
 # Token types that are no text: control tokens (<|im_end|>) and unused padding ("[PAD151665]").
 _SPECIAL_TOKEN_TYPES = (gguf.TokenType.CONTROL, gguf.TokenType.UNUSED)
 
@@ -121,10 +152,20 @@ class _Entry:
     unpermute_heads: int = 0  # >0: undo llama.cpp's q/k row permutation over this many heads
     shift: float = 0.0  # added to every value (in float32, before the cast)
     expert: int | None = None  # the source stacks experts [E, out, in]: this one's [out, in]
+    form: str = "dense"  # dense (in the folder's dtype) | int4 | int8 (loaders/gguf_quant.py)
 
 
-def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) -> Path:
-    """The HF-style folder for `gguf_path` in `dtype`, converting it on first use.
+def convert_gguf(
+    gguf_path: str | Path,
+    cache_root: Path,
+    dtype: torch.dtype,
+    *,
+    quantized: bool = False,
+    fallback: bool = False,
+) -> Path:
+    """The HF-style folder for `gguf_path` in `dtype` (quantized: linear weights in int4 / int8,
+    see the module docstring), converting it on first use. fallback (quantization auto): a weight
+    of a type neither form takes stays dense, with a warning naming it, instead of an error.
 
     Raises FileNotFoundError for a missing file and ValueError for anything this converter
     cannot read (not GGUF, truncated, unknown architecture or tensor type).
@@ -135,15 +176,33 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) ->
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"cannot convert {src} to {dtype}: choose float32, float16 or bfloat16")
     stat = src.stat()
-    marker = _marker_content(src, stat, dtype)
-    out = Path(cache_root) / f"{src.stem}-{_source_key(src, stat)}-{marker['dtype']}"
+    marker = _marker_content(src, stat, dtype, quantized)
+    suffix = "-q" if quantized else ""
+    out = Path(cache_root) / f"{src.stem}-{_source_key(src, stat)}-{marker['dtype']}{suffix}"
     if _read_json(out / MARKER) == marker:
         logger.info("using converted model cached at %s", out)
         _log_window(src, _read_json(out / "config.json"))
+        _log_dense_fallback(src, _read_json(out / "config.json"))
         return out
 
     reader = _open_reader(src)
     config, entries = _plan(reader, src, dtype)
+    if quantized:
+        entries = _quantize_plan(entries, src, fallback)
+        forms = [e.form for e in entries]
+        config["quantization_config"] = {
+            "quant_method": "weft-gguf",
+            "int4": forms.count("int4"),
+            "int8": forms.count("int8"),
+            # linear weights of types neither form takes (fallback), as "name: TYPE"
+            "dense": [
+                f"{e.source.name}: {e.source.tensor_type.name}"
+                for e in entries
+                if e.form == "dense"
+                and e.source is not None
+                and form_of(e.source.tensor_type) is None
+            ],
+        }
     template = _meta(reader, "tokenizer.chat_template", src, None)
     add_bos = _meta(reader, "tokenizer.ggml.add_bos_token", src, None)
     specials = _special_tokens(reader)
@@ -163,7 +222,21 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, dtype: torch.dtype) ->
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s; cached at %s", src.name, out)
     _log_window(src, config)
+    _log_dense_fallback(src, config)
     return out
+
+
+def _log_dense_fallback(src: Path, config: dict[str, Any]) -> None:
+    """Quantization auto: the linear weights left dense, said at every load."""
+    dense = (config.get("quantization_config") or {}).get("dense") or []
+    if dense:
+        logger.warning(
+            "%s: %d linear weight(s) of types weft cannot keep quantized run dequantized "
+            "(slower decode): %s",
+            src.name,
+            len(dense),
+            ", ".join(dense[:5]) + (" ..." if len(dense) > 5 else ""),
+        )
 
 
 def _log_window(src: Path, config: dict[str, Any]) -> None:
@@ -188,8 +261,11 @@ def _source_key(src: Path, stat: os.stat_result) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
-def _marker_content(src: Path, stat: os.stat_result, dtype: torch.dtype) -> dict[str, Any]:
+def _marker_content(
+    src: Path, stat: os.stat_result, dtype: torch.dtype, quantized: bool
+) -> dict[str, Any]:
     return {
+        "quantized": quantized,
         "source": str(src),
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
@@ -617,6 +693,53 @@ def _expert_entries(
     return entries
 
 
+def _quantize_plan(entries: list[_Entry], src: Path, fallback: bool) -> list[_Entry]:
+    """Each linear weight's form (gguf_quant.form_of); a merged group (q/k/v, gate/up) takes
+    one: int4 if all its members are int4 types, else int8 (dense if any member is a float)."""
+    suffix_group = {name: gi for gi, group in enumerate(_QUANT_GROUPS) for name in group}
+    groups: dict[tuple[str, int], list[int]] = {}
+    for idx, e in enumerate(entries):
+        if e.source is None or e.expert is not None:
+            continue
+        if e.name == "lm_head.weight":
+            groups[("lm_head", 0)] = [idx]
+        elif e.name.startswith("model.layers."):
+            layer, _, rest = e.name.removeprefix("model.layers.").partition(".")
+            if rest in suffix_group:
+                groups.setdefault((layer, suffix_group[rest]), []).append(idx)
+    out = list(entries)
+    for members in groups.values():
+        forms = []
+        for idx in members:
+            t = entries[idx].source
+            form = form_of(t.tensor_type)
+            if form is None and fallback:
+                form = "dense"  # NOTE: logged at every load (_log_dense_fallback)
+            if form is None:
+                raise ValueError(
+                    f"{src}: tensor {t.name!r} is {t.tensor_type.name}, a type weft cannot keep "
+                    f"quantized (int4 from {', '.join(q.name for q in INT4_TYPES)}; int8 from "
+                    f"{', '.join(q.name for q in INT8_TYPES)}): load it with quantization "
+                    f"'none' to dequantize it"
+                )
+            forms.append(form)
+        form = forms[0] if len(set(forms)) == 1 else "dense" if "dense" in forms else "int8"
+        if form == "int8" and entries[members[0]].name == "lm_head.weight" and _LM_HEAD_INT4:
+            form = "int4"
+        rows = sum(entries[idx].shape[0] for idx in members)
+        if form == "int4" and rows % 16:
+            names = ", ".join(repr(entries[idx].source.name) for idx in members)
+            raise ValueError(
+                f"{src}: tensor(s) {names} ({forms[0]} from "
+                f"{entries[members[0]].source.tensor_type.name}): {rows} output rows, not a "
+                "multiple of 16 as torch's int4 CPU kernel tiles them; load with quantization "
+                "'none'"
+            )
+        for idx in members:
+            out[idx] = dataclasses.replace(entries[idx], form=form)
+    return out
+
+
 # -- writing -------------------------------------------------------------------------------------
 
 
@@ -665,11 +788,56 @@ def _tensor_chunks(entry: _Entry, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         yield chunk.to(dtype).contiguous()
 
 
-def _shards(entries: list[_Entry], itemsize: int) -> list[list[_Entry]]:
+def _outputs(e: _Entry, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The stored tensors (name, dtype, shape) of one entry, in the order _entry_data yields."""
+    if e.form == "dense":
+        return [(e.name, dtype, e.shape)]
+    n, k = e.shape
+    base = e.name.removesuffix(".weight")
+    if e.form == "int4":
+        groups = (n, k // GROUP)
+        return [
+            (f"{base}.qweight", torch.uint8, (n, k // 2)),
+            (f"{base}.qscale", torch.float32, groups),
+            (f"{base}.qzero", torch.float32, groups),
+        ]
+    return [(f"{base}.qweight", torch.int8, (n, k)), (f"{base}.qscale", torch.float32, (n,))]
+
+
+def _nbytes(e: _Entry, dtype: torch.dtype) -> int:
+    return sum(math.prod(shape) * dt.itemsize for _, dt, shape in _outputs(e, dtype))
+
+
+def _entry_data(e: _Entry, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The bytes of _outputs(e), in order, as tensors (a dense weight in row chunks)."""
+    if e.form == "dense":
+        yield from _tensor_chunks(e, dtype)
+        return
+    if e.form == "int4":
+        if e.source.tensor_type in INT4_TYPES:  # exact (gguf_quant.int4_groups)
+            groups = int4_groups(e.source.data, e.source.tensor_type)
+        else:  # the lm_head, requantized (_LM_HEAD_INT4)
+            groups = int4_from_rows(gguf.quants.dequantize(e.source.data, e.source.tensor_type))
+        q, scale, zero = (torch.from_numpy(a) for a in groups)
+        if e.unpermute_heads:
+            q, scale, zero = (unpermute_rows(t, e.unpermute_heads) for t in (q, scale, zero))
+        yield torch.from_numpy(pack_nibbles(q.numpy()))
+        yield scale.contiguous()
+        yield zero.contiguous()
+        return
+    scales = []  # int8: dequantized and requantized per row, a chunk of rows at a time
+    for rows in _tensor_chunks(e, torch.float32):
+        q8, row_scale = int8_rows(rows.reshape(-1, e.shape[1]).numpy())
+        yield torch.from_numpy(q8)
+        scales.append(row_scale)
+    yield torch.from_numpy(np.concatenate(scales))
+
+
+def _shards(entries: list[_Entry], dtype: torch.dtype) -> list[list[_Entry]]:
     shards: list[list[_Entry]] = [[]]
     size = 0
     for e in entries:
-        nbytes = math.prod(e.shape) * itemsize
+        nbytes = _nbytes(e, dtype)
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -679,8 +847,7 @@ def _shards(entries: list[_Entry], itemsize: int) -> list[list[_Entry]]:
 
 
 def _write_weights(folder: Path, entries: list[_Entry], dtype: torch.dtype, desc: str) -> None:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = _shards(entries, itemsize)
+    shards = _shards(entries, dtype)
     names = (
         ["model.safetensors"]
         if len(shards) == 1
@@ -688,17 +855,20 @@ def _write_weights(folder: Path, entries: list[_Entry], dtype: torch.dtype, desc
     )
     with tqdm(total=len(entries), desc=desc, unit="tensor") as bar:
         for name, shard in zip(names, shards, strict=True):
-            _write_safetensors(folder / name, shard, dtype, itemsize, bar)
+            _write_safetensors(folder / name, shard, dtype, bar)
     if len(shards) > 1:
-        total = sum(math.prod(e.shape) * itemsize for e in entries)
-        weight_map = {e.name: n for n, shard in zip(names, shards, strict=True) for e in shard}
+        total = sum(_nbytes(e, dtype) for e in entries)
+        weight_map = {
+            out[0]: n
+            for n, shard in zip(names, shards, strict=True)
+            for e in shard
+            for out in _outputs(e, dtype)
+        }
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(folder / "model.safetensors.index.json", index)
 
 
-def _write_safetensors(
-    path: Path, entries: list[_Entry], dtype: torch.dtype, itemsize: int, bar: tqdm
-) -> None:
+def _write_safetensors(path: Path, entries: list[_Entry], dtype: torch.dtype, bar: tqdm) -> None:
     """Stream tensors into one safetensors file: the header is known before any data exists.
 
     Format: u64 little-endian header length, JSON header (padded to 8 bytes), raw data.
@@ -706,13 +876,14 @@ def _write_safetensors(
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for e in entries:
-        nbytes = math.prod(e.shape) * itemsize
-        header[e.name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
+        for name, out_dtype, shape in _outputs(e, dtype):
+            nbytes = math.prod(shape) * out_dtype.itemsize
+            header[name] = {
+                "dtype": _STORED_DTYPES[out_dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with path.open("wb") as f:
@@ -720,12 +891,12 @@ def _write_safetensors(
         f.write(blob)
         for e in entries:
             written = 0
-            for chunk in _tensor_chunks(e, dtype):
+            for chunk in _entry_data(e, dtype):
                 # NOTE: byte view of a contiguous tensor; numpy has no bfloat16, uint8 is exact.
                 raw = chunk.reshape(-1).view(torch.uint8).numpy()
                 f.write(raw.data)
                 written += raw.nbytes
-            if written != math.prod(e.shape) * itemsize:
+            if written != _nbytes(e, dtype):
                 raise AssertionError(f"{e.name}: wrote {written} bytes for shape {e.shape}")
             bar.update(1)
 

@@ -7,14 +7,18 @@ transformers at import time (the children import them meanwhile).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weft.runtime.config import EngineConfig
+from weft.runtime.hardware import cpu_bf16_flags
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("weft")
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,10 @@ def resolve_source(config: EngineConfig) -> ModelSource:
             raise ValueError(f"load_format {fmt!r} needs a model folder, got the file {path}")
         from weft.runtime.loaders.gguf_convert import convert_gguf
 
-        folder = convert_gguf(path, cache_root, _gguf_dtype(config))
+        dtype = _gguf_dtype(config)
+        quantized = gguf_quantized(config, dtype)
+        fallback = config.quantization == "auto"
+        folder = convert_gguf(path, cache_root, dtype, quantized=quantized, fallback=fallback)
         fmt = "safetensors"
     else:
         folder = path
@@ -54,8 +61,46 @@ def resolve_source(config: EngineConfig) -> ModelSource:
     return ModelSource(folder, tok if has_tokenizer else None, fmt, display)
 
 
+def _on_cuda(config: EngineConfig) -> bool:
+    import torch
+
+    if config.device == "auto":
+        return torch.cuda.is_available()
+    return config.device.startswith("cuda")
+
+
 def _gguf_dtype(config: EngineConfig) -> torch.dtype:
+    """The converted folder's dtype: the configured one; auto: bfloat16 on a GPU or a CPU with
+    bfloat16 in hardware, float32 on other CPUs."""
     import torch
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    return dtypes.get(config.dtype, torch.bfloat16)
+    if config.dtype in dtypes:
+        return dtypes[config.dtype]
+    return torch.bfloat16 if _on_cuda(config) or cpu_bf16_flags() else torch.float32
+
+
+def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """Whether a GGUF's linear weights stay quantized (config.quantization, resolved once here).
+
+    NOTE: CUDA loads dequantize (weft has no GPU kernels for these forms yet), and the CPU
+    kernels take bfloat16 activations only (float32 ones run ~30x slower in torch 2.13).
+    """
+    import torch
+
+    choice, cuda = config.quantization, _on_cuda(config)
+    if choice == "gguf" and cuda:
+        raise ValueError("quantization 'gguf' runs on the CPU only; on CUDA use 'none'")
+    if choice == "gguf" and dtype != torch.bfloat16:
+        raise ValueError(f"quantization 'gguf' computes in bfloat16, dtype is {dtype}")
+    quantized = choice == "gguf" or (choice == "auto" and not cuda and dtype == torch.bfloat16)
+    why = {
+        "gguf": "as configured",
+        "none": "as configured",
+        "auto": "auto: a CPU with bf16 in hardware"
+        if quantized
+        else ("auto: CUDA" if cuda else "auto: no bf16 in hardware (float32 activations)"),
+    }[choice]
+    state = "kept quantized (int4 / int8)" if quantized else f"dequantized to {dtype}"
+    logger.info("GGUF linear weights %s (%s)", state, why)
+    return quantized

@@ -19,14 +19,18 @@ from torch import nn
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] @ weight[out, in]^T (+ bias).
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, in] @ weight[out, in]^T (+ bias); a QuantWeight runs its own kernels.
 
     NOTE: a single row goes through a matrix-vector product: on CUDA the Triton GEMV, which
     streams an 8B model's weights ~10% faster than cuBLAS's M = 1 tiles on an H100 (RESULTS.md);
     on CPUs torch.mv, which streams bf16 weights at ~23 GB/s where F.linear manages ~15 GB/s
     (2-core AVX-512 machine).
     """
+    if isinstance(weight, QuantWeight):
+        return weight.matmul(x, bias)
     if x.shape[0] == 1:
         if x.is_cuda and HAS_TRITON and x.stride(-1) == 1 and weight.stride(-1) == 1:
             from weft.kernels.gemv import gemv  # NOTE: imported here: Triton may be missing
@@ -38,7 +42,115 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class ColumnLinear(nn.Module):
+# Stored leaves of a quantized linear weight (loaders/gguf_quant.py has the layout)
+QUANT_LEAVES = ("qweight", "qscale", "qzero")
+_FORM_LEAVES = {"int4": QUANT_LEAVES, "int8": QUANT_LEAVES[:2]}
+INT4_GROUP = 32
+# NOTE: torch's int4/int8 CPU matmuls cost about linearly in M (they dequantize per row): from
+# 8 rows on, bf16 GEMM over a dequantized copy is faster (2-core Xeon: int4 0.58 ms vs bf16
+# 0.83 ms at M = 1 for 9728 x 896, 33 vs 4.4 ms at M = 128); steps of up to this many rows
+# use the quantized kernels (RESULTS.md, issue 21)
+QUANT_MAX_ROWS = 4
+
+
+class QuantWeight(nn.Module):
+    """A linear weight [out, in] kept in a GGUF-derived weight-only form, multiplied on the CPU by
+    torch's packed kernels: int4 (groups of 32 along `in`, bf16 scale and zero per group,
+    w = (q - 8) * scale + zero) or int8 (one bf16 scale per output row, w = q * scale).
+
+    Steps of more than QUANT_MAX_ROWS rows (prefill) use `dense`, a bf16 copy dequantized from the
+    same values at load, unless it was dropped (quantized_prefill).
+    """
+
+    def __init__(self, form: str, parts: dict[str, torch.Tensor], dtype: torch.dtype):
+        super().__init__()
+        if dtype != torch.bfloat16:
+            raise ValueError(f"quantized weights compute in bfloat16 activations, not {dtype}")
+        self.form = form
+        qweight = parts["qweight"]
+        if qweight.device.type != "cpu":
+            raise ValueError(
+                "quantized GGUF weights run on the CPU only (load with quantization none)"
+            )
+        self.out_features = qweight.shape[0]
+        self.packed: torch.Tensor
+        self.scales: torch.Tensor
+        self.dense: torch.Tensor | None
+        if form == "int4":
+            # qweight u8 [N, K/2]: even k in the low nibble, odd k in the high one
+            q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
+            n, k = q.shape
+            scale, zero = parts["qscale"].to(dtype), parts["qzero"].to(dtype)  # [N, K/32]
+            if n % 16 or k % INT4_GROUP or tuple(scale.shape) != (n, k // INT4_GROUP):
+                raise ValueError(f"int4 weight [{n}, {k}]: needs out % 16 == 0 and in % 32 == 0")
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            # [K/32, N, 2]: the kernel's scales_and_zeros
+            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales", sz)
+            w = (q.float() - 8).view(n, -1, INT4_GROUP) * scale.float()[..., None]
+            dense = (w + zero.float()[..., None]).view(n, k)
+        elif form == "int8":
+            scale = parts["qscale"].to(dtype)  # [N]
+            self.register_buffer("packed", qweight.contiguous())
+            self.register_buffer("scales", scale)
+            dense = qweight.float() * scale.float()[:, None]
+        else:
+            raise ValueError(f"unknown quantized form {form!r}")
+        self.register_buffer("dense", dense.to(dtype))
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * (2 if self.form == "int4" else 1)
+
+    def drop_dense(self) -> None:
+        self.dense = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, in] bf16 -> [M, out] bf16."""
+        if self.dense is not None and x.shape[0] > QUANT_MAX_ROWS:
+            return F.linear(x, self.dense, bias)
+        x = x.contiguous()  # NOTE: both kernels read x as a dense [M, K] matrix
+        if self.form == "int4":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, INT4_GROUP, self.scales
+            )
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
+        return out if bias is None else out + bias
+
+
+class _QuantLoading:
+    """Linear modules whose weight may arrive quantized, one shard (row block) at a time."""
+
+    weight: torch.Tensor | QuantWeight
+    _quant_parts: dict[tuple[int, str], torch.Tensor]
+
+    def load_quant(self, leaf: str, shard: int, n_shards: int, tensor: torch.Tensor) -> bool:
+        """Keep one stored leaf of one shard; once all arrived, swap the dense weight for a
+        QuantWeight. Returns True when the weight is complete."""
+        parts = self.__dict__.setdefault("_quant_parts", {})
+        parts[(shard, leaf)] = tensor
+        form = "int4" if parts.get((0, "qweight"), tensor).dtype == torch.uint8 else "int8"
+        leaves = _FORM_LEAVES[form]
+        if any((s, name) not in parts for s in range(n_shards) for name in leaves):
+            return False
+        merged = {name: torch.cat([parts[(s, name)] for s in range(n_shards)]) for name in leaves}
+        target = self.weight
+        assert isinstance(target, torch.Tensor)
+        quant = QuantWeight(form, merged, target.dtype)
+        if (quant.out_features, quant.in_features) != tuple(target.shape):
+            raise ValueError(
+                f"quantized weight is [{quant.out_features}, {quant.in_features}], "
+                f"expected {list(target.shape)}"
+            )
+        del self.weight  # type: ignore[misc]  # the dense Parameter: never filled
+        self.weight = quant
+        parts.clear()
+        return True
+
+
+class ColumnLinear(_QuantLoading, nn.Module):
     """y = x W^T (+ b), W stored as several row blocks loaded one shard at a time."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
@@ -53,8 +165,8 @@ class ColumnLinear(nn.Module):
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
         target = self.weight if param_name == "weight" else self.bias
-        if target is None:
-            raise ValueError(f"unexpected {param_name} for a linear without one")
+        if not isinstance(target, torch.Tensor):  # None, or a weight already quantized
+            raise ValueError(f"unexpected {param_name} for a linear without a dense one")
         start, size = self.shard_offsets[shard], self.shard_sizes[shard]
         _copy_checked(target.data[start : start + size], tensor, f"{param_name} shard {shard}")
 
@@ -62,7 +174,7 @@ class ColumnLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class RowLinear(nn.Module):
+class RowLinear(_QuantLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(

@@ -14,6 +14,7 @@ from weft.runtime.core import ForwardBatch
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.layers import (
     GATED_ACTIVATIONS,
+    QUANT_LEAVES,
     ColumnLinear,
     RMSNorm,
     RopeStep,
@@ -178,8 +179,17 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the checkpoint repeats the embedding
-            module_name, _, leaf = name.rpartition(".")  # leaf: weight | bias
+            module_name, _, leaf = name.rpartition(".")  # leaf: weight | bias | QUANT_LEAVES
             parent, _, proj = module_name.rpartition(".")
+            if leaf in QUANT_LEAVES:  # a quantized GGUF weight (loaders/gguf_quant.py)
+                merged, shard = _STACKED.get(proj, (proj, 0))
+                module = self.get_submodule(f"{parent}.{merged}" if parent else merged)
+                assert isinstance(module, (ColumnLinear, RowLinear))
+                n_shards = len(module.shard_sizes) if isinstance(module, ColumnLinear) else 1
+                # NOTE: nothing to mark loaded: the dense weight Parameter goes once complete,
+                # and stays (reported missing) if a shard never comes
+                module.load_quant(leaf, shard, n_shards, tensor)
+                continue
             if proj in _STACKED:
                 merged, shard = _STACKED[proj]
                 module = self.get_submodule(f"{parent}.{merged}")
