@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from weft.runtime.loaders.cache_lock import cache_lock
+
 DEFAULT_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
 DEFAULT_MODEL_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 DEFAULT_MODEL_SIZE = 491_400_064
@@ -90,6 +92,18 @@ def assembled_gguf(model: PackagedGGUF, parts: Callable[[], list[Path]], cache_r
     """
     target = Path(cache_root) / model.file_name
     marker = target.with_name(target.name + ".verified.json")
+    if target.is_file() and _marker_matches(marker, target, model):
+        return target
+    with cache_lock(target):
+        return _assemble_once(model, parts, target, marker)
+
+
+def _assemble_once(
+    model: PackagedGGUF, parts: Callable[[], list[Path]], target: Path, marker: Path
+) -> Path:
+    # NOTE: under the lock: another process may have assembled it while this one waited (a
+    # second assembly would replace the file, and its new mtime would make the converted
+    # folder keyed on the first one's a stale orphan)
     if target.is_file() and _marker_matches(marker, target, model):
         return target
     if target.is_file():

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from weft.runtime.loaders.cache_lock import cache_lock
 from weft.runtime.loaders.end_tokens import END_TOKEN_TEXTS
 from weft.runtime.loaders.gguf_quant import (
     GROUP,
@@ -179,12 +180,27 @@ def convert_gguf(
     marker = _marker_content(src, stat, dtype, quantized)
     suffix = "-q" if quantized else ""
     out = Path(cache_root) / f"{src.stem}-{_source_key(src, stat)}-{marker['dtype']}{suffix}"
-    if _read_json(out / MARKER) == marker:
-        logger.info("using converted model cached at %s", out)
-        _log_window(src, _read_json(out / "config.json"))
-        _log_dense_fallback(src, _read_json(out / "config.json"))
-        return out
+    if _read_json(out / MARKER) != marker:
+        with cache_lock(out):
+            # NOTE: re-read under the lock: another process may have converted it meanwhile
+            if _read_json(out / MARKER) != marker:
+                _convert(src, out, dtype, marker, quantized, fallback)
+                return out
+    logger.info("using converted model cached at %s", out)
+    config = _read_json(out / "config.json")
+    _log_window(src, config)
+    _log_dense_fallback(src, config)
+    return out
 
+
+def _convert(
+    src: Path,
+    out: Path,
+    dtype: torch.dtype,
+    marker: dict[str, Any],
+    quantized: bool,
+    fallback: bool,
+) -> None:
     reader = _open_reader(src)
     config, entries = _plan(reader, src, dtype)
     if quantized:
@@ -223,7 +239,6 @@ def convert_gguf(
     logger.info("converted %s; cached at %s", src.name, out)
     _log_window(src, config)
     _log_dense_fallback(src, config)
-    return out
 
 
 def _log_dense_fallback(src: Path, config: dict[str, Any]) -> None:
