@@ -236,10 +236,15 @@ def test_compiled_grammars_are_cached(managers):
         "json_schema", json.dumps({"type": "object", "properties": {"k": {"type": "string"}}})
     )
     first = manager.compile(spec)
-    start = time.perf_counter()
-    second = manager.compile(spec)
-    assert second.grammar is first.grammar
-    assert time.perf_counter() - start < 0.05
+    # NOTE: the fastest of a few: one lookup can be preempted on a loaded machine (parallel test
+    # workers), while a recompile is slow every time
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        second = manager.compile(spec)
+        times.append(time.perf_counter() - start)
+        assert second.grammar is first.grammar
+    assert min(times) < 0.05, times
 
 
 @pytest.mark.parametrize(

@@ -369,10 +369,15 @@ def test_a_cached_spec_does_not_queue_behind_racing_specs():
         racing = [manager.submit(_spec(name)) for name in stuck]
         backend.wait_started(1 + COMPILE_WORKERS)  # every chain worker is taken
         queued = manager.submit(_spec("b+"))
-        start = time.perf_counter()
-        cached = manager.submit(_spec("a+"))
-        submit_s = time.perf_counter() - start
-        assert cached.done() and not queued.done()
+        # NOTE: the fastest of a few submits: one can be preempted on a loaded machine (the
+        # suite runs in parallel workers), while one queued behind the race is slow every time
+        submits = []
+        for _ in range(5):
+            start = time.perf_counter()
+            cached = manager.submit(_spec("a+"))
+            submits.append(time.perf_counter() - start)
+            assert cached.done() and not queued.done()
+        submit_s = min(submits)
         for gate in gates.values():
             gate.set()
         assert [f.result(DEADLINE_S).grammar for f in [*racing, queued]] == [
@@ -384,7 +389,7 @@ def test_a_cached_spec_does_not_queue_behind_racing_specs():
             gate.set()
         manager.shutdown()
     assert (cached.result().grammar, cached.result().cached) == ("compiled a+", True)
-    assert submit_s < 0.001, submit_s  # the target for a cached spec
+    assert submit_s < 0.001, submits  # the target for a cached spec
 
 
 def test_a_backends_first_build_does_not_hand_the_race_to_the_next(monkeypatch):
