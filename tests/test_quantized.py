@@ -233,15 +233,21 @@ def test_tiny_llama_quantized_through_weft(tmp_path, vocab):
     assert outputs["gguf"]["output_ids"] == outputs["none"]["output_ids"]
 
 
-def test_quantization_gguf_refuses_float32():
+def test_quantization_gguf_refuses_float32(monkeypatch):
     from weft.runtime.config import EngineConfig
+    from weft.runtime.loaders import source
     from weft.runtime.loaders.source import gguf_quantized
 
     config = EngineConfig(quantization="gguf", device="cpu")
     with pytest.raises(ValueError, match="bfloat16"):
         gguf_quantized(config, torch.float32)
+    monkeypatch.setattr(source, "cpu_bf16_flags", lambda: ["amx_bf16"])
     assert not gguf_quantized(config.replace(quantization="auto"), torch.float32)
     assert gguf_quantized(config.replace(quantization="auto"), torch.bfloat16)
+    # auto keeps them dense on a CPU without bf16 in hardware (explicit gguf still quantizes)
+    monkeypatch.setattr(source, "cpu_bf16_flags", lambda: [])
+    assert not gguf_quantized(config.replace(quantization="auto"), torch.bfloat16)
+    assert gguf_quantized(config, torch.bfloat16)
 
 
 def test_shard_bytes_cover_quantized_outputs(monkeypatch, tensors):

@@ -70,14 +70,12 @@ def _on_cuda(config: EngineConfig) -> bool:
 
 
 def _gguf_dtype(config: EngineConfig) -> torch.dtype:
-    """The converted folder's dtype: the configured one; auto: bfloat16 on a GPU or a CPU with
-    bfloat16 in hardware, float32 on other CPUs."""
+    """The converted folder's dtype: the configured one; auto: bfloat16 (as model_runner's
+    resolve_dtype: on every CPU for now, see there)."""
     import torch
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if config.dtype in dtypes:
-        return dtypes[config.dtype]
-    return torch.bfloat16 if _on_cuda(config) or cpu_bf16_flags() else torch.float32
+    return dtypes.get(config.dtype, torch.bfloat16)
 
 
 def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
@@ -93,13 +91,17 @@ def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
         raise ValueError("quantization 'gguf' runs on the CPU only; on CUDA use 'none'")
     if choice == "gguf" and dtype != torch.bfloat16:
         raise ValueError(f"quantization 'gguf' computes in bfloat16, dtype is {dtype}")
-    quantized = choice == "gguf" or (choice == "auto" and not cuda and dtype == torch.bfloat16)
+    hardware = bool(cpu_bf16_flags())
+    auto = not cuda and hardware and dtype == torch.bfloat16
+    quantized = choice == "gguf" or (choice == "auto" and auto)
     why = {
         "gguf": "as configured",
         "none": "as configured",
         "auto": "auto: a CPU with bf16 in hardware"
         if quantized
-        else ("auto: CUDA" if cuda else "auto: no bf16 in hardware (float32 activations)"),
+        else (
+            "auto: CUDA" if cuda else "auto: no bf16 in hardware" if not hardware else "auto: dtype"
+        ),
     }[choice]
     state = "kept quantized (int4 / int8)" if quantized else f"dequantized to {dtype}"
     logger.info("GGUF linear weights %s (%s)", state, why)
