@@ -30,14 +30,12 @@ def build_batch(
     work: list[tuple[Req, int]],
     memory: MemoryManager,
     device: torch.device,
-    pending_ids: torch.Tensor | None = None,
 ) -> tuple[ForwardBatch, list[RowPlan]]:
     """Allocates the step's KV slots and lays the requests' new tokens out contiguously.
 
-    pending_ids: the previous step's sampled ids on the device (overlap schedule); a request's
-    pending token (`Req.pending`) is read from there, on the device, not from the host. Without
-    them, the batch feeds its pending tokens later (`ForwardBatch.feed_pending`): the previous
-    step's sampling may be launched after this layout.
+    A request's pending token (`Req.pending`, overlap schedule) is fed by
+    `ForwardBatch.feed_pending` from the previous step's sampled ids, on the device, not from
+    the host: that sampling may be launched after this layout.
     A work item past the end of a request's tokens feeds that many tokens of its draft.
     """
     ids: list[int] = []
@@ -51,7 +49,7 @@ def build_batch(
     logits_rows: list[int] = []
     plans = []
     future_at: list[int] = []  # positions in ids of pending tokens ...
-    future_rows: list[int] = []  # ... and their rows in pending_ids
+    future_rows: list[int] = []  # ... and their rows in the previous step's sampled ids
     for req, n in work:
         start = req.kv_len
         slots.append(memory.allocate(req, n))
@@ -64,7 +62,7 @@ def build_batch(
             ids.extend(req.tokens(start, start + n - 1))
             future_at.append(len(ids))
             future_rows.append(req.pending[1])
-            ids.append(0)  # its value is copied from pending_ids on the device, below
+            ids.append(0)  # its value is copied on the device (ForwardBatch.feed_pending)
         else:
             ids.extend(req.tokens(start, start + n))
         positions.extend(range(start, start + n))
@@ -132,8 +130,6 @@ def build_batch(
     memory.req_to_token.scatter(dev["token_rows"], batch.positions, loc)
     if future_at:
         batch.pending_at, batch.pending_rows = dev["future_at"], dev["future_rows"]
-        if pending_ids is not None:
-            batch.feed_pending(pending_ids)
     return batch, plans
 
 

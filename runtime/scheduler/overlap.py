@@ -3,7 +3,7 @@ read back; reading them (and appending, detokenizing, grammar accepts) then runs
 device computes.
 
 A request whose token is still on the device has `Req.pending = (step, row)`: the token counts
-in seq_len, and the next forward takes it from the device (`build_batch`'s pending_ids).
+in seq_len, and the next forward takes it from the device (`ForwardBatch.feed_pending`).
 """
 
 from __future__ import annotations
