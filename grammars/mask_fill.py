@@ -29,24 +29,24 @@ class FillJob:
     """A fill in flight: the backends' batches running on the fill pool."""
 
     def __init__(
-        self, grammars: list[RequestGrammar], rows: list[int], members: list[list[int]]
+        self,
+        grammars: list[RequestGrammar],
+        rows: list[int],
+        bitmask: torch.Tensor,
+        members: list[list[int]],
+        jobs: list[Future[list[bool]]],
     ) -> None:
         self.grammars = grammars
         self.rows = rows
-        self.members = members  # per group: its indices into grammars
-        self.jobs: list[Future[list[bool]]] = []
-        self.bitmask: torch.Tensor | None = None
-        self._joined = False
+        self.bitmask = bitmask
+        self.members = members  # per job: its indices into grammars
+        self.jobs = jobs
 
     def join(self) -> None:
         """Wait for every backend's batch, then set the end-token bits. Raises what a backend
         raised (after all of them are done: none writes into the bitmask any more)."""
-        if self._joined:
-            return
-        self._joined = True
         futures.wait(self.jobs)
         done = [job.result() for job in self.jobs]
-        assert self.bitmask is not None
         _set_end_bits(self.bitmask, self.grammars, self.rows, self.members, done)
 
 
@@ -74,29 +74,28 @@ class MaskFill:
         it only every sys.getswitchinterval() (5 ms): a fill started and not waited for could
         sit idle the whole time the caller lays out the next step. So wait here until each has
         started (microseconds: the caller blocks, so they take the GIL at once)."""
-        job, groups = _plan(grammars, rows)
-        job.bitmask = bitmask
-        started = threading.Semaphore(0)
-        pooled = groups[1:] if inline else groups
-        job.jobs = [self._pool.submit(_fill_group, *group, bitmask, started) for group in pooled]
+        members, groups = _groups(grammars, rows)
         if inline:
             first: Future[list[bool]] = Future()
+            jobs = [first] + [self._pool.submit(_fill_group, *g, bitmask) for g in groups[1:]]
             try:
                 first.set_result(_fill_group(*groups[0], bitmask))
             except Exception as exc:  # (raised by join, once the others are done)
                 first.set_exception(exc)
-            job.jobs.insert(0, first)
         else:
+            started = threading.Semaphore(0)
+            jobs = [self._pool.submit(_fill_group, *g, bitmask, started) for g in groups]
             # (a job failed at submit, by a shut-down pool, never starts: join raises its error)
-            for _ in [j for j in job.jobs if not j.done()]:
+            for _ in [j for j in jobs if not j.done()]:
                 started.acquire()
-        return job
+        return FillJob(grammars, rows, bitmask, members, jobs)
 
     def shutdown(self) -> None:
         self._pool.shutdown()
 
 
-def _plan(grammars: list[RequestGrammar], rows: list[int]) -> tuple[FillJob, list[Group]]:
+def _groups(grammars: list[RequestGrammar], rows: list[int]) -> tuple[list[list[int]], list[Group]]:
+    """The rows by backend: (each group's indices into grammars, the groups)."""
     by_backend: dict[str, list[int]] = {}
     for i, grammar in enumerate(grammars):
         by_backend.setdefault(grammar.backend_name, []).append(i)
@@ -105,7 +104,7 @@ def _plan(grammars: list[RequestGrammar], rows: list[int]) -> tuple[FillJob, lis
         (grammars[m[0]].compiled.backend, [grammars[i].matcher for i in m], [rows[i] for i in m])
         for m in members
     ]
-    return FillJob(grammars, rows, members), groups
+    return members, groups
 
 
 def _fill_group(

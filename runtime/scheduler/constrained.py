@@ -42,13 +42,11 @@ DeviceMask = tuple[torch.Tensor, list[int]] | None
 
 @dataclasses.dataclass
 class MaskJob:
-    """A step's masks being filled (`Constrained.start_masks`), for the requests by row."""
+    """A step's masks being filled (`Constrained.start_masks`), by row of its requests."""
 
-    reqs: list[Req]
     rows: list[int]  # the rows that get a mask
     firsts: list[int]  # the grammar rows (a request's first row: before any draft token)
     forced: list[int]  # the rows a thinking phase forces one token on
-    drafts: dict[Req, list[int]]
     bitmask: torch.Tensor  # CPU rows, pinned on CUDA
     fill: FillJob | None
     host_s: float  # the caller's time in start_masks
@@ -219,17 +217,20 @@ class Constrained:
         grammars = [reqs[i].grammar for i in firsts]
         fill = self.grammars.fills.start(grammars, bitmask, firsts, inline=wait) if firsts else None
         host_s = time.perf_counter() - start
-        return MaskJob(reqs, rows, firsts, forced, drafts, bitmask, fill, host_s)
+        return MaskJob(rows, firsts, forced, bitmask, fill, host_s)
 
-    def finish_masks(self, job: MaskJob | None) -> tuple[DeviceMask, list[Req]]:
-        """Wait for the fill, add the thinking's and the drafts' rows, and copy the bitmask to
-        the device: (the mask, the requests whose grammar backend failed). Those are finished
-        (a server error) and their rows left unmasked: the caller drops their tokens and ends
-        them. A draft the grammar does not take whole is cut in place."""
+    def finish_masks(
+        self, job: MaskJob | None, reqs: list[Req], drafts: dict[Req, list[int]]
+    ) -> tuple[DeviceMask, list[Req]]:
+        """Wait for the fill of `start_masks(reqs, drafts)`, add the thinking's and the drafts'
+        rows, and copy the bitmask to the device: (the mask, the requests whose grammar backend
+        failed). Those are finished (a server error) and their rows left unmasked: the caller
+        drops their tokens and ends them. A draft the grammar does not take whole is cut in
+        place."""
         if job is None:
             return None, []
         start = time.perf_counter()
-        reqs, bitmask = job.reqs, job.bitmask
+        bitmask = job.bitmask
         failed: list[Req] = []
         try:
             if job.fill is not None:
@@ -238,7 +239,7 @@ class Constrained:
             failed = self._fill_rows_apart(reqs, job.firsts, bitmask)
         self._fill_thinking(reqs, job.firsts, job.forced, bitmask)
         for i in job.firsts:
-            draft = job.drafts.get(reqs[i])
+            draft = drafts.get(reqs[i])
             if draft and reqs[i] not in failed:
                 try:
                     del draft[self.grammars.fill_draft(reqs[i].grammar, draft, bitmask, i) :]

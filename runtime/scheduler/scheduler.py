@@ -266,7 +266,7 @@ class Scheduler:
         if sampling is None:
             return []
         start = time.perf_counter()
-        mask, failed = self.constrained.finish_masks(sampling.masks)
+        mask, failed = self.constrained.finish_masks(sampling.masks, sampling.reqs, sampling.drafts)
         self.profile.host("fill_s", start)
         self.profile.mark("mask")
         fused = not self.config.disable_fused_sampling
