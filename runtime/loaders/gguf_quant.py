@@ -84,12 +84,6 @@ def pack_nibbles(q: np.ndarray) -> np.ndarray:
     return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
 
 
-def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    out = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
-    out[:, 0::2], out[:, 1::2] = packed & 0x0F, packed >> 4
-    return out
-
-
 def int4_from_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Dequantized rows f32 [N, K] -> the int4 groups of `int4_groups` (asymmetric min..max
     per group of 32): lossy, for the lm_head only (see _LM_HEAD_INT4 in gguf_convert)."""
