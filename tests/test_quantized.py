@@ -226,7 +226,11 @@ def test_tiny_llama_quantized_through_weft(tmp_path, vocab):
     outputs = {}
     for quantization in ("none", "gguf"):
         engine = make_engine(
-            path, quantization=quantization, dtype="bfloat16", cache_dir=str(tmp_path / "c")
+            path,
+            quantization=quantization,
+            dtype="bfloat16",
+            device="cpu",  # quantized weights are a CPU path; on CUDA 'gguf' is refused
+            cache_dir=str(tmp_path / "c"),
         )
         outputs[quantization] = engine.generate(input_ids=prompt, sampling_params=params)
         engine.shutdown()
