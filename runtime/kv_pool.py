@@ -96,15 +96,18 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor, device: bool = True) -> None:
-        """Slots of positions [start, start + len(slots)) of a row. device=False writes the host
-        mirror only: the caller then writes the device table itself (see `scatter`)."""
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Slots of positions [start, start + len(slots)) of a row, on the host and the device."""
         end = start + slots.numel()
         self._host[row, start:end] = slots
-        if device and self._host is not self.req_to_token:
+        if self._host is not self.req_to_token:
             self.req_to_token[row, start:end] = slots.to(
                 self.req_to_token.device, non_blocking=True
             )
+
+    def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """Host mirror only: slot i of token i at `positions[i]` of row `rows[i]`."""
+        self._host[torch.tensor(rows), torch.tensor(positions)] = slots
 
     def scatter(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], positions[i]] = slots[i] on the device, in one kernel."""

@@ -40,7 +40,6 @@ def build_batch(
     """
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[torch.Tensor] = []
     rows: list[int] = []
     token_rows: list[int] = []  # the req_to_token row of each new token
     seq_lens: list[int] = []
@@ -52,7 +51,6 @@ def build_batch(
     future_rows: list[int] = []  # ... and their rows in the previous step's sampled ids
     for req, n in work:
         start = req.kv_len
-        slots.append(memory.allocate(req, n))
         draft = req.draft[: max(start + n - req.seq_len, 0)]
         if draft:
             assert req.pending is None, "a draft must follow tokens on the host"
@@ -99,7 +97,7 @@ def build_batch(
         "future_at": future_at,
         "future_rows": future_rows,
     }
-    cache_loc = torch.cat(slots)
+    cache_loc = memory.allocate(token_rows, positions)
     flat: list[int] = []
     sizes = []
     for values in fields.values():

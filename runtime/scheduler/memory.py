@@ -42,16 +42,19 @@ class MemoryManager:
         req.cache_node = match.node
         req.prefix_len = req.kv_len = match.length
 
-    def allocate(self, req: Req, n: int) -> torch.Tensor:
-        """n new slots for positions kv_len .. kv_len + n of the request (evicting if needed).
-        The caller writes them to the device's req_to_token (`ReqToTokenPool.scatter`)."""
+    def allocate(self, rows: list[int], positions: list[int]) -> torch.Tensor:
+        """New slots for a step's tokens: token i at `positions[i]` of the request in
+        req_to_token row `rows[i]` (evicting if needed). The host mirror is written here; the
+        caller writes the device's req_to_token (`ReqToTokenPool.scatter`).
+
+        NOTE: one allocation and one indexed write for the whole step: per request they cost
+        ~13 us each (a tensor clone, a slice write), ~0.8 ms a step at batch 64 on a 2-core CPU
+        against 0.05 ms for the step at once."""
+        n = len(positions)
         if not self.kv_pool.can_allocate(n):
             self.cache.evict(n - self.kv_pool.num_free)
         slots = self.kv_pool.allocate(n)
-        assert req.req_pool_idx is not None
-        # NOTE: host mirror only; build_batch scatters a whole step's new slots to the device
-        # table in one kernel (one copy per request cost ~15 us each at batch 64)
-        self.req_to_token.write(req.req_pool_idx, req.kv_len, slots, device=False)
+        self.req_to_token.write_tokens(rows, positions, slots)
         return slots
 
     def truncate(self, req: Req, kv_len: int) -> None:
