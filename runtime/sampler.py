@@ -80,29 +80,30 @@ def _draw(
     """
     device = logits.device
     params = [r.params for r in reqs]
-    zero = torch.zeros((), device=device)
-    uniform = torch.stack(
-        [
-            zero if p.is_greedy else torch.rand((), generator=r.generator, device=device)
-            for p, r in zip(params, reqs, strict=True)
-        ]
-    )
+    n = len(params)
+    if all(p.is_greedy for p in params):
+        uniform = torch.zeros(n, device=device)  # (one launch, not a stack of n scalars)
+    else:
+        zero = torch.zeros((), device=device)
+        uniform = torch.stack(
+            [
+                zero if p.is_greedy else torch.rand((), generator=r.generator, device=device)
+                for p, r in zip(params, reqs, strict=True)
+            ]
+        )
     # NOTE: pinned: a copy from pageable memory may wait for the stream (the forward in flight
     # under the overlap schedule)
     # NOTE: one row per parameter, each padded to 16 bytes: Triton specializes the kernel on
     # its pointers' 16-byte alignment, and the columns of a [B, 4] tensor are aligned or not
     # depending on B (one row: views at 4-byte offsets), so a lone row compiled it anew (~7 s)
-    n = len(params)
-    table = torch.zeros((4, -(-n // 4) * 4), dtype=torch.float32)
+    # (the fifth row: which rows the bitmask constrains, in the same copy)
+    table = torch.zeros((5, -(-n // 4) * 4), dtype=torch.float32)
     values = [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]
-    table[:, :n] = torch.tensor(values, dtype=torch.float32).T
-    temperature, top_k, top_p, min_p = _to_device(table, device)[:, :n]
-    words, constrained = None, None
-    if bitmask is not None:
-        words, rows = bitmask
-        flags = torch.zeros(len(reqs), dtype=torch.bool)
-        flags[rows] = True
-        constrained = _to_device(flags, device)
+    table[:4, :n] = torch.tensor(values, dtype=torch.float32).T
+    words, rows = bitmask if bitmask is not None else (None, [])
+    table[4, rows] = 1.0
+    temperature, top_k, top_p, min_p, flags = _to_device(table, device)[:, :n]
+    constrained = flags != 0 if words is not None else None
     logits = logits.float().contiguous()
     top_k = top_k.to(torch.int32)
     return kernel(logits, words, constrained, temperature, top_k, top_p, min_p, uniform)[0]
