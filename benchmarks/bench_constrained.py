@@ -210,6 +210,10 @@ def summarize_steps(records: list[dict], *, constrained: bool) -> dict[str, Any]
     out["mask_exposed_share"] = sum(m["mask"] for m in rows) / fill if fill else float("nan")
     out["accept_exposed_share"] = sum(m["acc"] for m in rows) / accept if accept else float("nan")
     out["mean_rows"] = statistics.fmean(r.get("rows", 0) for r in steps) if steps else 0.0
+    # the host's own milliseconds between the same marks: where the host's step goes
+    names = sorted({k for r in steps for k in r.get("host_ms", {})})
+    out["host_p50"] = {k: _pct([r["host_ms"].get(k, 0.0) for r in steps], 0.5) for k in names}
+    out["host_step_p50"] = _pct([sum(r.get("host_ms", {}).values()) for r in steps], 0.5)
     return out
 
 
@@ -391,6 +395,8 @@ def main() -> None:
                 f"{summary['mean_rows']:>5.1f} "
             )
             print(line + " ".join(_fmt(summary[k]) for k in METRICS))
+            host = " ".join(f"{k} {v:.2f}" for k, v in summary["host_p50"].items())
+            print(f"{'':<14} host ms p50: {host}; the host's step {summary['host_step_p50']:.2f}")
         ratio = unc["seconds"] / con["seconds"]
         s = summaries["constrained"]
         print(

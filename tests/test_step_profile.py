@@ -77,13 +77,24 @@ def test_cuda_events_read_lazily(monkeypatch):
 
     from weft.runtime.scheduler.step_profile import StepRecorder
 
+    from weft.runtime.scheduler import step_profile
+
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    host_clock = [0.0]  # seconds: the host's own time between the marks differs from the device's
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: host_clock[0])
     _FakeEvent.clock = _FakeEvent.reached = 0.0
     prof = StepRecorder(torch.device("cuda"))
+    marks = (
+        ("sched", 1.0, 0.75),
+        ("forward", 10.0, 0.25),
+        ("mask", 3.0, 2.0),
+        ("sampling", 0.5, 0.5),
+    )
     for _ in range(2):
         prof.begin()
-        for name, ms in (("sched", 1.0), ("forward", 10.0), ("mask", 3.0), ("sampling", 0.5)):
+        for name, ms, host_ms in marks:
             _FakeEvent.clock += ms
+            host_clock[0] += host_ms / 1e3
             prof.mark(name)
         prof.count("rows", 4)
         prof.end()
@@ -96,4 +107,7 @@ def test_cuda_events_read_lazily(monkeypatch):
     assert first == {"forward": 10.0, "mask": 3.0, "sampling": 0.5}  # no previous step
     records = prof.take()  # waits for the rest
     assert records[1]["seg_ms"] == {"sched": 1.0, "forward": 10.0, "mask": 3.0, "sampling": 0.5}
+    host = {"sched": 0.75, "forward": 0.25, "mask": 2.0, "sampling": 0.5}
+    assert records[1]["host_ms"] == pytest.approx(host)
+    assert records[0]["host_ms"] == pytest.approx({k: v for k, v in host.items() if k != "sched"})
     assert records[1]["rows"] == 4 and not prof.records

@@ -71,7 +71,7 @@ class StepProfile:
 
 class StepRecorder(StepProfile):
     """Records every step: {"step", "marks" (names in order), "seg_ms" {segment: ms},
-    "host_s" {key: s}, counts...}. CUDA events are read lazily: a step's are turned into
+    "host_ms" {segment: the host's ms between the same marks}, "host_s" {key: s}, counts...}. CUDA events are read lazily: a step's are turned into
     milliseconds once its last event has completed (queried, never waited for in a step)."""
 
     enabled = True
@@ -86,7 +86,7 @@ class StepRecorder(StepProfile):
 
     def begin(self) -> None:
         self._step += 1
-        self._current = {"step": self._step, "marks": [], "points": [], "host_s": {}}
+        self._current = {"step": self._step, "marks": [], "points": [], "stamps": [], "host_s": {}}
 
     def mark(self, name: str) -> None:
         if self._current is None:
@@ -98,6 +98,7 @@ class StepRecorder(StepProfile):
             point = time.perf_counter()
         self._current["marks"].append(name)
         self._current["points"].append(point)
+        self._current["stamps"].append(time.perf_counter())
 
     def host(self, key: str, since: float) -> None:
         if self._current is not None:
@@ -113,7 +114,7 @@ class StepRecorder(StepProfile):
         if record is not None and (record["marks"] or record["host_s"]):
             record["first"] = self._last  # (None: the first step since `take`)
             if record["points"]:
-                self._last = record["points"][-1]
+                self._last = (record["points"][-1], record["stamps"][-1])
             self._pending.append(record)
         self._settle(wait=False)
 
@@ -139,13 +140,18 @@ class StepRecorder(StepProfile):
 
     def _segments(self, record: dict[str, Any]) -> dict[str, Any]:
         seg: dict[str, float] = {}
-        prev = record.pop("first")
-        for name, point in zip(record["marks"], record.pop("points"), strict=True):
+        host: dict[str, float] = {}
+        first = record.pop("first")
+        prev, prev_stamp = first if first is not None else (None, None)
+        marks = zip(record["marks"], record.pop("points"), record.pop("stamps"), strict=True)
+        for name, point, stamp in marks:
             if prev is not None:
                 ms = prev.elapsed_time(point) if self.cuda else (point - prev) * 1e3
                 seg[name] = seg.get(name, 0.0) + ms
-            prev = point
+                host[name] = host.get(name, 0.0) + (stamp - prev_stamp) * 1e3
+            prev, prev_stamp = point, stamp
         record["seg_ms"] = seg
+        record["host_ms"] = host
         return record
 
 
