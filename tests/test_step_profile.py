@@ -75,9 +75,8 @@ def test_cuda_events_read_lazily(monkeypatch):
     waiting in a step); the first segment starts at the previous step's last event."""
     import torch
 
-    from weft.runtime.scheduler.step_profile import StepRecorder
-
     from weft.runtime.scheduler import step_profile
+    from weft.runtime.scheduler.step_profile import StepRecorder
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     host_clock = [0.0]  # seconds: the host's own time between the marks differs from the device's
