@@ -278,6 +278,13 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--grammar-backends", default="xgrammar,llguidance,outlines")
     p.add_argument("--compact-json", action="store_true", help="as the server flag")
+    p.add_argument(
+        "--grammar-race-budget",
+        type=float,
+        default=None,
+        help="as the server flag; a large value pins which backend serves each schema (the "
+        "chain's order), so runs of different code decode the same tokens",
+    )
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--enable-overlap-schedule", action="store_true", help="on a CPU too")
     p.add_argument("--disable-cuda-graph", action="store_true")
@@ -310,7 +317,7 @@ def main() -> None:
         profile_steps=not args.no_step_profile,
         max_running_requests=max(batches or [64]),
     )
-    for key in ("tokenizer_path", "max_total_tokens", "num_threads"):
+    for key in ("tokenizer_path", "max_total_tokens", "num_threads", "grammar_race_budget"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     engine = Engine(args.model_path, **kwargs)

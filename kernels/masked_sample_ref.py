@@ -30,6 +30,11 @@ def masked_sample_reference(
     NOTE: syncs with the device (it picks the sampled rows and the filters in use).
     """
     _, vocab = check_args(logits, bitmask, constrained, temperature, top_k, top_p, min_p, uniform)
+    ids = _greedy_allowed(logits, bitmask, constrained, temperature, top_k)
+    if ids is not None:
+        if not want_logprobs:
+            return ids, None
+        return ids, torch.log_softmax(logits, dim=-1).gather(1, ids[:, None])[:, 0]
     logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     allowed = allowed_tokens(bitmask, constrained, vocab)
     lm = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
@@ -63,6 +68,33 @@ def masked_sample_reference(
         return ids, None
     picked = torch.log_softmax(logits, dim=-1).gather(1, ids.clamp_min(0)[:, None])[:, 0]
     return ids, picked.masked_fill(ids < 0, float("nan"))
+
+
+def _greedy_allowed(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    constrained: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+) -> torch.Tensor | None:
+    """The tokens at once where every row is greedy and its largest logit is allowed (None: the
+    full path decides). That token is then the answer: the first of the largest allowed.
+
+    NOTE: one pass over the logits instead of five (the NaN scrub, the bitmask expanded to
+    [B, V], the masked copy, argmax, the popcount): ~1-2 ms a step of a CPU's decode at 152k
+    tokens. A NaN anywhere in a row is its argmax, so a non-NaN maximum means a clean row."""
+    if not bool(((temperature < GREEDY_TEMPERATURE) | (top_k == 1)).all()):
+        return None
+    ids = logits.argmax(-1)
+    top = logits.gather(1, ids[:, None])[:, 0]
+    ok = top > float("-inf")  # (False for NaN too)
+    if bitmask is not None:
+        word = ids // 32
+        inside = word < bitmask.shape[1]  # tokens past the bitmask's words are never allowed
+        bits = bitmask.gather(1, word.clamp_max(bitmask.shape[1] - 1)[:, None])[:, 0]
+        allowed = inside & (((bits >> (ids % 32).int()) & 1) == 1)
+        ok &= allowed if constrained is None else allowed | ~constrained
+    return ids if bool(ok.all()) else None
 
 
 def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -239,6 +239,31 @@ def test_reference_matches_definition(request, vocab, words):
     _assert_ids_and_logprobs(case, *_reference(case, want_logprobs=True))
 
 
+@pytest.mark.parametrize(("vocab", "words"), SHAPES)
+@pytest.mark.parametrize("density", [1.0, 0.5, 0.02])
+def test_reference_all_greedy_matches_definition(request, monkeypatch, vocab, words, density):
+    """A batch of greedy rows only takes a one-pass path where every row's largest logit is
+    allowed, the full path otherwise: the oracle's tokens either way."""
+    from weft.kernels import masked_sample_ref
+
+    taken = []
+    fast = masked_sample_ref._greedy_allowed
+    monkeypatch.setattr(
+        masked_sample_ref, "_greedy_allowed", lambda *a: taken.append(fast(*a)) or taken[-1]
+    )
+    kinds = ["greedy", "greedy_k1"] * 3
+    case = _make_case(
+        request.node.nodeid, torch.device("cpu"), kinds, vocab, words, density=density
+    )
+    _assert_ids_and_logprobs(case, *_reference(case, want_logprobs=True))
+    largest_allowed = case["allowed"].gather(1, case["logits"].argmax(-1)[:, None])
+    assert (taken[0] is not None) == bool(largest_allowed.all())
+    if density == 1.0 and words is None:
+        assert taken[0] is not None
+    if density == 0.02:  # some constrained row's maximum is masked
+        assert taken[0] is None
+
+
 @needs_triton
 @pytest.mark.parametrize(("vocab", "words"), SHAPES)
 @pytest.mark.parametrize(
