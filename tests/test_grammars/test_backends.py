@@ -176,6 +176,23 @@ def test_rollback_restores_the_mask(managers, backend):
     assert bool((bitmask[0] == bitmask[1]).all())
 
 
+@pytest.mark.parametrize("backend", list(SUPPORTED))
+def test_requests_of_one_compiled_grammar_start_apart(managers, backend):
+    """Matchers of one compiled (cached) grammar: each starts at the grammar's start, however
+    far another went (llguidance's are copies of one built at compile time)."""
+    manager = managers[backend]
+    compiled = manager.compile(CASES["json_schema"][0])
+    first = RequestGrammar(compiled, QWEN_END_IDS)
+    bitmask = allocate_bitmask(2, QWEN_VOCAB)
+    manager.fill([first], bitmask, [0])
+    for tid in _ids(manager, '{"name": "Ann"'):
+        assert first.accept(tid)
+    second = RequestGrammar(compiled, QWEN_END_IDS)
+    manager.fill([second], bitmask, [1])
+    assert bool((bitmask[0] == bitmask[1]).all())
+    assert first.accept(_ids(manager, ",")[0]) and not second.accept(_ids(manager, ",")[0])
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_jump_forward_returns_the_forced_text(managers, backend):
     manager = managers[backend]
