@@ -147,8 +147,6 @@ class FP8Weight(nn.Module):
                 f"FP8 weight [{n}, {k}] in groups of {gn} x {gk}: scales {tuple(scale.shape)}, "
                 f"expected {want}"
             )
-        if dtype != torch.bfloat16:
-            raise ValueError(f"FP8 weights compute with bfloat16 activations, not {dtype}")
         self.out_features, self.in_features = n, k
         self.group = (gn, min(gk, k))
         self.form = "channel" if self.group == (1, k) else "block"
@@ -167,6 +165,8 @@ class FP8Weight(nn.Module):
         triton_missing = _triton_support(device)
         if self.form == "channel":
             missing = scaled_mm_support(device)
+            if self.dtype != torch.bfloat16:
+                missing = f"rowwise torch._scaled_mm writes bfloat16, not {self.dtype}"
             if missing is None and n % 16 == 0 and k % 16 == 0:
                 return "scaled_mm", "rowwise-scaled torch._scaled_mm"
             why = missing or f"torch._scaled_mm needs in and out multiples of 16, got [{n}, {k}]"
@@ -183,7 +183,7 @@ class FP8Weight(nn.Module):
         return dequantize(self.qweight, self.scale, self.group).to(self.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, in] bfloat16 -> [M, out] bfloat16. No host sync and no branch on values."""
+        """x [M, in] -> [M, out] in the activation dtype. No host sync, no branch on values."""
         if self.gemv and x.shape[0] <= FP8_GEMV_MAX_ROWS:
             from weft.kernels.fp8_matmul import fp8_gemv  # NOTE: here: Triton may be missing
 
@@ -212,6 +212,8 @@ def merge_shards(
     scales: list[torch.Tensor],
     block: tuple[int, int] | None,
     names: list[str],
+    *,
+    scale_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
     """A merged linear's FP8 shards (row blocks, e.g. q, k, v) -> (e4m3 [out, in], scales, group).
 
@@ -233,7 +235,7 @@ def merge_shards(
                 rows.append(s.float().reshape(n, 1))
             else:
                 raise ValueError(
-                    f"{name}: weight_scale of shape {tuple(s.shape)} for a weight [{n}, {k}]: "
+                    f"{name}: {scale_name} of shape {tuple(s.shape)} for a weight [{n}, {k}]: "
                     "expected one per tensor or one per output row"
                 )
             continue
@@ -241,7 +243,7 @@ def merge_shards(
         want = (-(-n // bn), -(-k // bk))
         if tuple(s.shape) != want:
             raise ValueError(
-                f"{name}: weight_scale_inv of shape {tuple(s.shape)} for a weight [{n}, {k}] "
+                f"{name}: {scale_name} of shape {tuple(s.shape)} for a weight [{n}, {k}] "
                 f"in {bn} x {bk} blocks: expected {want}"
             )
         rows.append(s.float())

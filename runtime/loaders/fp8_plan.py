@@ -1,0 +1,92 @@
+"""What happens to the linear weights around FP8 (config.quantization with the checkpoint's own
+quantization_config), resolved once before the model loads, applied once after.
+
+    checkpoint  quantization     load_format   action
+    dense       fp8              any           quantize: e4m3 per output row, at load
+    dense       auto/none/gguf   any           none (as before: dense weights)
+    FP8         auto/fp8/gguf    safetensors   keep: the published e4m3 weights and scales
+    FP8         auto/fp8/gguf    dummy         quantize: the random weights in the checkpoint's
+                                               form (blocks or rows), so a benchmark reads what
+                                               the real checkpoint would
+    FP8         none             any           dequantize to the dtype after loading
+
+Quantized: the attention's qkv and o, the MLP's gate_up and down (dense layers of a MoE model
+too); not the embeddings, the lm_head, norms, a MoE router or the experts (the fused MoE kernel
+takes bfloat16 experts). GGUF files refuse 'fp8' (loaders/source.gguf_quantized).
+
+NOTE: the CPU runs FP8 weights too, for tests and for memory: torch 2.13's CPU _scaled_mm takes
+rowwise e4m3, but it is a reference kernel, not a speed path (a bfloat16 GEMV is faster there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from weft.runtime.config import EngineConfig
+from weft.runtime.model_config import ModelConfig
+from weft.runtime.models.fp8 import FP8Weight
+from weft.runtime.models.layers import ColumnLinear, RowLinear
+
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    action: str  # none | quantize | keep | dequantize
+    block: tuple[int, int] | None = None  # quantize: the scale blocks (None: per output row)
+
+
+def resolve_fp8(
+    config: EngineConfig, model: ModelConfig, load_format: str, dtype: torch.dtype
+) -> Fp8Plan:
+    choice, published = config.quantization, model.fp8
+    if published is not None and choice == "none":
+        return Fp8Plan("dequantize")
+    if published is None and choice != "fp8":
+        return Fp8Plan("none")
+    if dtype != torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        what = "quantization 'fp8'" if published is None else f"the {published.method} checkpoint"
+        raise ValueError(
+            f"{what}: FP8 weights compute with bfloat16 activations, dtype is {name} (set "
+            "dtype bfloat16" + (", or quantization none to dequantize)" if published else ")")
+        )
+    if published is None:
+        return Fp8Plan("quantize")
+    if load_format == "dummy":
+        return Fp8Plan("quantize", published.block)
+    return Fp8Plan("keep")
+
+
+@torch.no_grad()
+def apply_fp8(model: nn.Module, plan: Fp8Plan) -> None:
+    """Quantize or dequantize the model's linear weights as the plan says, one at a time (the
+    peak is one weight's float32 copy above the model)."""
+    for module in model.modules():
+        if not isinstance(module, (ColumnLinear, RowLinear)):
+            continue
+        if (
+            plan.action == "quantize"
+            and module.quantize
+            and isinstance(module.weight, nn.Parameter)
+        ):
+            module.quantize_fp8(plan.block)
+        elif plan.action == "dequantize" and isinstance(module.weight, FP8Weight):
+            module.dequantize_fp8()
+
+
+def fp8_text(weights: list[FP8Weight]) -> str:
+    """The start log's account of the FP8 weights: how many of each form, where they came from
+    and which matmul runs them."""
+    kinds: dict[tuple[str, str, str, bool], int] = {}
+    for w in weights:
+        form = "per channel" if w.form == "channel" else f"{w.group[0]} x {w.group[1]} blocks"
+        key = (form, w.origin, w.why, w.gemv)
+        kinds[key] = kinds.get(key, 0) + 1
+    parts = []
+    for (form, origin, why, gemv), count in kinds.items():
+        source = "from the checkpoint" if origin == "checkpoint" else "quantized at load"
+        batch1 = ", batch 1 through the Triton FP8 GEMV" if gemv else ""
+        parts.append(f"{count} fp8 e4m3 ({form}, {source}; matmul: {why}{batch1})")
+    return "; ".join(parts)
