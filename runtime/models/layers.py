@@ -178,7 +178,7 @@ class _QuantLoading:
         weight, scale, group = merge_shards(
             [parts[(s, "weight")] for s in range(n_shards)],
             [parts[(s, want)] for s in range(n_shards)],
-            block,
+            spec.block,
             [names[s] for s in range(n_shards)],
             scale_name=want,
         )
