@@ -268,7 +268,8 @@ def fp8_matmul_ref(
     gk = group[1]
     x_group = (1, 128 if gk < k else k)
     x = xq.double() * expand_scales(x_scale.double(), x_group, (m, k))
-    w = weight.double() * expand_scales(w_scale.double(), group, tuple(weight.shape))
+    n = weight.shape[0]
+    w = weight.double() * expand_scales(w_scale.double(), group, (n, k))
     return x @ w.t()
 
 
@@ -282,6 +283,7 @@ def fp8_gemv_ref(
     """The torch twin of fp8_gemv in float64."""
     from weft.runtime.models.fp8 import expand_scales
 
-    w = weight.double() * expand_scales(scale.double(), group, tuple(weight.shape))
+    n, k = weight.shape
+    w = weight.double() * expand_scales(scale.double(), group, (n, k))
     out = x.double() @ w.t()
     return out if bias is None else out + bias.double()

@@ -68,7 +68,9 @@ def quantize_weight(
     return q.view(padded.shape)[:n, :k].to(FP8_DTYPE).contiguous(), scale
 
 
-def expand_scales(scale: torch.Tensor, group: tuple[int, int], shape: tuple[int, int]):
+def expand_scales(
+    scale: torch.Tensor, group: tuple[int, int], shape: tuple[int, int]
+) -> torch.Tensor:
     """Scales [ceil(out/gn), ceil(in/gk)] -> one per element [out, in] (float32)."""
     n, k = shape
     gn, gk = group

@@ -190,18 +190,18 @@ class LlamaForCausalLM(nn.Module):
                 continue  # static activation scales: weft quantizes per token (Fp8Checkpoint)
             if leaf in QUANT_LEAVES or fp8:  # a GGUF (loaders/gguf_quant.py) or FP8 weight
                 merged, shard = _STACKED.get(proj, (proj, 0))
-                module = self._quantized_linear(f"{parent}.{merged}" if parent else merged, name)
-                n_shards = len(module.shard_sizes) if isinstance(module, ColumnLinear) else 1
+                holder = self._quantized_linear(f"{parent}.{merged}" if parent else merged, name)
+                n_shards = len(holder.shard_sizes) if isinstance(holder, ColumnLinear) else 1
                 # NOTE: nothing to mark loaded: the dense weight Parameter goes once complete,
                 # and stays (reported missing) if a shard never comes
                 if not fp8:
-                    module.load_quant(leaf, shard, n_shards, tensor)
+                    holder.load_quant(leaf, shard, n_shards, tensor)
                 elif self.config.fp8 is None:
                     raise ValueError(
                         f"{name}: an FP8 tensor, but config.json has no quantization_config"
                     )
                 else:
-                    module.load_fp8(leaf, shard, n_shards, tensor, name=name, spec=self.config.fp8)
+                    holder.load_fp8(leaf, shard, n_shards, tensor, name=name, spec=self.config.fp8)
                 continue
             if proj in _STACKED:
                 merged, shard = _STACKED[proj]
@@ -228,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _quantized_linear(self, path: str, name: str) -> ColumnLinear | RowLinear:
         """The linear a quantized checkpoint tensor `name` belongs to."""
+        module: nn.Module | None
         try:
             module = self.get_submodule(path)
         except AttributeError:
