@@ -244,6 +244,8 @@ def fp8_checkpoint(qc: dict[str, Any] | None) -> Fp8Checkpoint | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "weft-gguf":  # weft's own GGUF conversion (loaders/gguf_convert.py)
+        return None
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"quantization_config.fmt {qc['fmt']!r}: weft loads e4m3 FP8 only")
