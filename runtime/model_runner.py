@@ -140,11 +140,17 @@ class ModelRunner:
         cfg = self.model_config
         if max_ctx > cfg.max_position_embeddings:
             cfg = dataclasses.replace(cfg, max_position_embeddings=max_ctx)
-        fp8_plan = resolve_fp8(config, cfg, source.load_format, self.dtype)
+        fp8_plan = resolve_fp8(config, cfg, source.load_format, self.dtype, self.device)
         with torch.device(self.device):
             self.model = cls(cfg, self.dtype)
         self._load_weights(source)
         apply_fp8(self.model, fp8_plan)
+        if fp8_plan.why:
+            logger.info("FP8: %s", fp8_plan.why)
+        if fp8_plan.action != "none" and self.device.type == "cuda":
+            # NOTE: the dense weights just replaced stay in torch's cache, which the KV pool's
+            # size (from the driver's free memory) would not count
+            torch.cuda.empty_cache()
         self.model.eval()
         quantized = [m for m in self.model.modules() if isinstance(m, QuantWeight)]
         fp8 = [m for m in self.model.modules() if isinstance(m, FP8Weight)]

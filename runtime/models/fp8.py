@@ -127,6 +127,8 @@ class FP8Weight(nn.Module):
     """A linear weight [out, in] held in e4m3 with float32 scales (see the module's table).
 
     origin: "checkpoint" (published FP8 weights) or "load" (quantized from dense ones at load).
+    NOTE: the path is chosen for the device the weight is built on: build it there, not on the
+    CPU and then moved.
     """
 
     def __init__(
@@ -189,7 +191,7 @@ class FP8Weight(nn.Module):
         if self.gemv and x.shape[0] <= FP8_GEMV_MAX_ROWS:
             from weft.kernels.fp8_matmul import fp8_gemv  # NOTE: here: Triton may be missing
 
-            return fp8_gemv(x, self.qweight, self.scale, self.group, bias)
+            return fp8_gemv(x.contiguous(), self.qweight, self.scale, self.group, bias)
         if self.path == "scaled_mm":
             xq, xs = quantize_rows(x, None)
             out = torch._scaled_mm(
