@@ -40,8 +40,9 @@ class EngineConfig:
         "bfloat16 activations), none dequantizes them to the dtype; auto: gguf on a CPU with "
         "bfloat16 in hardware, else none. HF folders and dummy weights: fp8 quantizes the "
         "linear weights to e4m3 per output channel at load (bfloat16 activations, quantized per "
-        "token; GPUs of compute capability 8.9+ multiply in FP8, the CPU only for tests); an "
-        "FP8 checkpoint loads as published unless none dequantizes it",
+        "token; GPUs of compute capability 8.9+ multiply in FP8; on a CPU ~30x slower than "
+        "bfloat16, for tests); an FP8 checkpoint loads as published, except that none (and auto "
+        "on a CPU) dequantizes it",
         choices=QUANTIZATIONS,
     )
     quantized_prefill: bool = option(

@@ -23,6 +23,11 @@ How a step of M rows multiplies (`FP8Weight.path` picks once, at construction):
 
 and steps of at most FP8_GEMV_MAX_ROWS rows on CUDA with Triton go through the weight-only GEMV
 (bf16 activations x e4m3 weights widened in registers) whatever the path.
+
+NOTE: torch 2.13's CPU _scaled_mm refuses block scales (F.scaled_mm with BlockWise1x128 /
+BlockWise128x128 raises "Invalid scaling configuration": TensorWise and RowWise only). Newer
+CUDA builds list those recipes for sm90; weft does not rely on them (unmeasured here): the block
+form runs the Triton kernel.
 """
 
 from __future__ import annotations
