@@ -11,7 +11,7 @@ start on a block boundary as blocks of 1 x bk (each row its own copy of its bloc
 
 How a step of M rows multiplies (`FP8Weight.path` picks once, at construction):
 
-    path       where                           activations
+    path       where                           activations (CUDA: kernels/fp8_quant.py)
     scaled_mm  channel form, torch._scaled_mm  quantized per row (amax / 448) to e4m3, rowwise
                takes e4m3 rowwise (CUDA sm89+, scales [M, 1] x [1, out] on cuBLAS (CPU: torch's
                torch 2.13's CPU)                reference kernel)
@@ -166,6 +166,7 @@ class FP8Weight(nn.Module):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.path, self.why = self._choose_path(qweight.device)
+        # CUDA sm89+ with Triton: the batch-1 GEMV, and activations quantized in one kernel
         self.gemv = qweight.device.type == "cuda" and _triton_support(qweight.device) is None
 
     def _choose_path(self, device: torch.device) -> tuple[str, str]:
@@ -191,6 +192,13 @@ class FP8Weight(nn.Module):
         """The weight dequantized to the activation dtype, [out, in]."""
         return dequantize(self.qweight, self.scale, self.group).to(self.dtype)
 
+    def _quantize(self, x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gemv:  # the Triton kernels run here
+            from weft.kernels.fp8_quant import quantize_rows_fp8
+
+            return quantize_rows_fp8(x if x.stride(-1) == 1 else x.contiguous(), group)
+        return quantize_rows(x, group)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] -> [M, out] in the activation dtype. No host sync, no branch on values."""
         if self.gemv and x.shape[0] <= FP8_GEMV_MAX_ROWS:
@@ -198,7 +206,7 @@ class FP8Weight(nn.Module):
 
             return fp8_gemv(x.contiguous(), self.qweight, self.scale, self.group, bias)
         if self.path == "scaled_mm":
-            xq, xs = quantize_rows(x, None)
+            xq, xs = self._quantize(x, None)
             out = torch._scaled_mm(
                 xq,
                 self.qweight.t(),
@@ -209,7 +217,7 @@ class FP8Weight(nn.Module):
         elif self.path == "triton":
             from weft.kernels.fp8_matmul import fp8_matmul
 
-            xq, xs = quantize_rows(x, None if self.form == "channel" else BLOCK)
+            xq, xs = self._quantize(x, None if self.form == "channel" else BLOCK)
             out = fp8_matmul(xq, xs, self.qweight, self.scale, self.group, out_dtype=self.dtype)
         else:
             return F.linear(x, self.dense(), bias)
