@@ -21,8 +21,8 @@ How a step of M rows multiplies (`FP8Weight.path` picks once, at construction):
     dequant    anywhere else                   none: the weight is dequantized to the activation
                                                dtype on every call, then F.linear (slow, correct)
 
-and steps of at most FP8_GEMV_MAX_ROWS rows on CUDA with Triton go through the weight-only GEMV
-(bf16 activations x e4m3 weights widened in registers) whatever the path.
+and one-row steps on CUDA with Triton go through the weight-only GEMV (bf16 activations x e4m3
+weights widened in registers) whatever the path, unless FP8_GEMV_ONE_ROW is off.
 
 NOTE: torch 2.13's CPU _scaled_mm refuses block scales (F.scaled_mm with BlockWise1x128 /
 BlockWise128x128 raises "Invalid scaling configuration": TensorWise and RowWise only). Newer
@@ -47,11 +47,11 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 # NOTE: a row of zeros must not give a zero scale (x / 0): its amax is clamped to this first
 MIN_AMAX = 1e-12
 BLOCK = 128  # the activation group along K of the block form (the weights' block size there)
-# NOTE: steps of up to this many rows use the weight-only GEMV on CUDA (batch-1 decode reads the
-# weights once either way; the GEMV skips quantizing x and a cuBLAS tile sized for M >= 16).
-# 1 is a guess: measure bench_one_batch --quantization fp8 --batch-sizes 1 2 4 8 on the GPU
-# with this at 0, 1, 2, 4 and 8, and set it where the GEMV stops winning
-FP8_GEMV_MAX_ROWS = 1
+# NOTE: whether one-row steps (batch-1 decode) use the weight-only GEMV on CUDA rather than the
+# scaled matmul (which quantizes x first and runs a cuBLAS tile sized for M >= 16). Both read the
+# weights once; True is a guess: measure `bench_kernels.py --fp8` (fp8 gemv vs scaled_mm M=1)
+# and bench_one_batch --quantization fp8 --batch-sizes 1 with it on and off, on the GPU
+FP8_GEMV_ONE_ROW = True
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -201,10 +201,14 @@ class FP8Weight(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] -> [M, out] in the activation dtype. No host sync, no branch on values."""
-        if self.gemv and x.shape[0] <= FP8_GEMV_MAX_ROWS:
+        if self.gemv and FP8_GEMV_ONE_ROW and x.shape[0] == 1:
             from weft.kernels.fp8_matmul import fp8_gemv  # NOTE: here: Triton may be missing
 
             return fp8_gemv(x.contiguous(), self.qweight, self.scale, self.group, bias)
+        return self.matmul_path(x, bias)
+
+    def matmul_path(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`matmul` through `self.path` at any number of rows (no GEMV for one)."""
         if self.path == "scaled_mm":
             xq, xs = self._quantize(x, None)
             out = torch._scaled_mm(
