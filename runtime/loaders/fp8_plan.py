@@ -33,7 +33,7 @@ from torch import nn
 
 from weft.runtime.config import EngineConfig
 from weft.runtime.model_config import ModelConfig
-from weft.runtime.models.fp8 import FP8Weight
+from weft.runtime.models.fp8 import FP8_GEMV_ONE_ROW, FP8Weight
 from weft.runtime.models.layers import ColumnLinear, RowLinear
 
 logger = logging.getLogger("weft")
@@ -109,7 +109,7 @@ def fp8_text(weights: list[FP8Weight]) -> str:
     kinds: dict[tuple[str, str, str, bool], int] = {}
     for w in weights:
         form = "per channel" if w.form == "channel" else f"{w.group[0]} x {w.group[1]} blocks"
-        key = (form, w.origin, w.why, w.gemv)
+        key = (form, w.origin, w.why, w.gemv and FP8_GEMV_ONE_ROW)
         kinds[key] = kinds.get(key, 0) + 1
     parts = []
     for (form, origin, why, gemv), count in kinds.items():

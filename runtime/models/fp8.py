@@ -166,8 +166,11 @@ class FP8Weight(nn.Module):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.path, self.why = self._choose_path(qweight.device)
-        # CUDA sm89+ with Triton: the batch-1 GEMV, and activations quantized in one kernel
-        self.gemv = qweight.device.type == "cuda" and _triton_support(qweight.device) is None
+        # CUDA sm89+ with Triton: activations quantized in one kernel, and the batch-1 GEMV
+        # where its K tiles (powers of two) fit the scale groups
+        self.triton = _triton_support(qweight.device) is None
+        gk = self.group[1]
+        self.gemv = self.triton and (gk == k or (gk >= 16 and gk & (gk - 1) == 0))
 
     def _choose_path(self, device: torch.device) -> tuple[str, str]:
         """(path, the reason for it): see the module's table."""
@@ -182,18 +185,20 @@ class FP8Weight(nn.Module):
             why = missing or f"torch._scaled_mm needs in and out multiples of 16, got [{n}, {k}]"
         else:
             why = f"torch._scaled_mm takes no {self.group[0]} x {self.group[1]} block scales here"
-        if triton_missing is None and (self.form == "channel" or self.group[1] == BLOCK):
+        if triton_missing is None and self.group[1] in (BLOCK, k):
             return "triton", "the Triton FP8 matmul"
         if triton_missing is None:
             why = f"the Triton FP8 matmul takes blocks of {BLOCK} columns, not {self.group[1]}"
-        return "dequant", f"dequantized on every call ({why}; {triton_missing or 'see above'})"
+        else:
+            why = f"{why}; {triton_missing}"
+        return "dequant", f"dequantized on every call ({why})"
 
     def dense(self) -> torch.Tensor:
         """The weight dequantized to the activation dtype, [out, in]."""
         return dequantize(self.qweight, self.scale, self.group).to(self.dtype)
 
     def _quantize(self, x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.gemv:  # the Triton kernels run here
+        if self.triton:
             from weft.kernels.fp8_quant import quantize_rows_fp8
 
             return quantize_rows_fp8(x if x.stride(-1) == 1 else x.contiguous(), group)
@@ -221,7 +226,7 @@ class FP8Weight(nn.Module):
         elif self.path == "triton":
             from weft.kernels.fp8_matmul import fp8_matmul
 
-            xq, xs = self._quantize(x, None if self.form == "channel" else BLOCK)
+            xq, xs = self._quantize(x, None if self.group[1] == self.in_features else BLOCK)
             out = fp8_matmul(xq, xs, self.qweight, self.scale, self.group, out_dtype=self.dtype)
         else:
             return F.linear(x, self.dense(), bias)
