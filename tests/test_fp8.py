@@ -190,8 +190,10 @@ def _greedy(engine, n: int = 12) -> list[int]:
     return engine.generate(input_ids=PROMPT[:9], sampling_params=params)["output_ids"]
 
 
-def _run(folder: Path, **kwargs) -> tuple[torch.Tensor, list[int], list[FP8Weight]]:
-    engine = make_engine(folder, max_total_tokens=1024, device="cpu", **kwargs)
+def _run(
+    folder: Path, device: str = "cpu", **kwargs
+) -> tuple[torch.Tensor, list[int], list[FP8Weight]]:
+    engine = make_engine(folder, max_total_tokens=1024, device=device, **kwargs)
     fp8 = [m for m in engine.runner.model.modules() if isinstance(m, FP8Weight)]
     result = (_prompt_logprobs(engine, PROMPT), _greedy(engine), fp8)
     engine.shutdown()
@@ -508,3 +510,28 @@ def test_cuda_graph_captures_an_fp8_linear(block, rows):
     torch.cuda.synchronize()
     assert _rel(out, layer(x)) < 1e-3  # the replay computed the new x, as eager does
     assert _rel(out, eager) > 0.1
+
+
+@cuda
+def test_engine_on_cuda(wide, checkpoint):
+    """The whole engine on CUDA (decode from CUDA graphs): quantization fp8 (scaled_mm, the
+    GEMV at batch 1) vs bf16, and the published block form (the Triton matmul) as loaded by
+    auto vs its dequantized twin. Tolerances: the CPU's bounds (unmeasured on a GPU)."""
+    sm89 = torch.cuda.get_device_capability() >= (8, 9)
+    lp_ref, greedy_ref, _ = _run(wide, device="cuda", dtype="bfloat16")
+    lp, greedy, fp8 = _run(wide, device="cuda", dtype="bfloat16", quantization="fp8")
+    assert len(fp8) == 8
+    if sm89:
+        assert {(w.path, w.gemv) for w in fp8} == {("scaled_mm", True)}
+    diff = (lp - lp_ref).abs()
+    print(f"cuda fp8 vs bf16: max {float(diff.max()):.4f}, greedy {greedy} vs {greedy_ref}")
+    assert float(diff.max()) < 0.15 and greedy[:4] == greedy_ref[:4]
+    folder, _ = checkpoint("block")
+    lp_ref, greedy_ref, _ = _run(folder / "ref", device="cuda")
+    lp, greedy, fp8 = _run(folder, device="cuda")
+    assert len(fp8) == 8 and {w.group for w in fp8} == {BLOCK}
+    if sm89:
+        assert {(w.path, w.gemv) for w in fp8} == {("triton", True)}
+    diff = (lp - lp_ref).abs()
+    print(f"cuda block checkpoint vs dequantized: max {float(diff.max()):.4f}")
+    assert float(diff.max()) < 0.15 and greedy[:4] == greedy_ref[:4]

@@ -8,7 +8,7 @@ quantization_config), resolved once before the model loads, applied once after.
     FP8         auto/fp8/gguf    CUDA, dummy            quantize: the random weights in the
                                                         checkpoint's form (blocks or rows), so a
                                                         benchmark reads what the real one would
-    FP8         fp8              CPU                    keep / quantize as on CUDA (tests)
+    FP8         fp8 (or gguf)    CPU                    keep / quantize as on CUDA (tests)
     FP8         auto             CPU                    dequantize to the dtype after loading
     FP8         none             any                    dequantize to the dtype after loading
 
