@@ -6,7 +6,9 @@ prefilled together and decoded to the same length, with the scheduler stepped on
         [--hf-baseline] [--json-out results.jsonl]
 
 benchmarks/configs holds the config.json of llama-3.1-8b, qwen2.5-7b, qwen3-8b and
-qwen3-30b-a3b (a mixture of experts: 61 GB of bf16 weights, one 80 GB GPU holds it).
+qwen3-30b-a3b (a mixture of experts: 61 GB of bf16 weights, one 80 GB GPU holds it), and
+qwen3-8b-fp8 (Qwen3-8B-FP8's quantization_config: dummy weights in 128 x 128 FP8 blocks).
+`--quantization fp8` quantizes any of them per output channel at load.
 
 Per batch size: a fresh engine, one short warm-up pass (the first Triton compiles, autotuning
 and any lazy CUDA-graph capture happen there), then --repeats measured passes. Reported:
