@@ -447,6 +447,15 @@ def test_refusals(tiny, tmp_path):
     (broken / "config.json").write_text((folder / "ref" / "config.json").read_text())
     with pytest.raises(ValueError, match=r"an FP8 tensor, but config\.json has no quantization"):
         make_engine(broken, device="cpu")
+    # a v_proj of 8 rows where the model has 16: the merged weight names its shards
+    tensors = load_file(folder / "model.safetensors")
+    v = "model.layers.0.self_attn.v_proj"
+    tensors[f"{v}.weight"] = tensors[f"{v}.weight"][:8].contiguous()
+    short = tmp_path / "short"
+    shutil.copytree(folder, short)
+    save_file(tensors, str(short / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"q_proj \+ .*k_proj \+ .*v_proj is \[88, 64\]"):
+        make_engine(short, device="cpu", quantization="fp8")
 
 
 def test_fp8_expert_weights_are_refused(tmp_path):

@@ -185,8 +185,10 @@ class _QuantLoading:
         target = self.weight
         assert isinstance(target, torch.Tensor)
         fp8 = FP8Weight(weight, scale, group, dtype=target.dtype, origin="checkpoint")
-        self._swap_weight(fp8, fp8.out_features, fp8.in_features)
+        what = " + ".join(names[s] for s in range(n_shards))
+        self._swap_weight(fp8, fp8.out_features, fp8.in_features, what)
         parts.clear()
+        names.clear()
         return True
 
     def pending_quant(self) -> list[str]:
@@ -211,11 +213,13 @@ class _QuantLoading:
         del self.weight  # type: ignore[misc]  # the FP8Weight submodule
         self.weight = nn.Parameter(fp8.dense(), requires_grad=False)
 
-    def _swap_weight(self, quant: QuantWeight | FP8Weight, out: int, inp: int) -> None:
+    def _swap_weight(
+        self, quant: QuantWeight | FP8Weight, out: int, inp: int, what: str = "quantized weight"
+    ) -> None:
         target = self.weight
         assert isinstance(target, torch.Tensor)
         if (out, inp) != tuple(target.shape):
-            raise ValueError(f"quantized weight is [{out}, {inp}], expected {list(target.shape)}")
+            raise ValueError(f"{what} is [{out}, {inp}], expected {list(target.shape)}")
         del self.weight  # type: ignore[misc]  # the dense Parameter: never filled
         self.weight = quant
 
