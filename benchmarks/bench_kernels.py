@@ -9,7 +9,8 @@ measured in the same run; attention rows also give TFLOP/s next to a measured bf
 `--sweep` times the attention kernels' tile settings instead.
 The masked_sample rows take fp32 logits at the Llama-3 and Qwen2 vocabularies, whatever --dtype
 (`--sampling`: those rows only).
-The torch column times the torch twin / the code the model runs without the kernel.
+The torch column times the torch twin / the code the model runs without the kernel (FP8 rows:
+the same layer in bfloat16; `--fp8`: those rows only).
 Inputs are random (never zeros) and sized well past the L2 cache where the shape allows.
 """
 
@@ -247,6 +248,63 @@ def bench_elementwise(dtype: torch.dtype, dev: torch.device, g: torch.Generator)
     return rows
 
 
+# Llama-3-8B's linear layers [out, in]: qkv, o, gate_up, down
+LINEARS = ((HQ + 2 * HKV) * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)
+
+
+def bench_fp8(dev: torch.device, g: torch.Generator) -> list[Row]:
+    """FP8 weights at batch 1: the weight-only GEMV (per channel, 128 x 128 blocks) and the
+    channel form's scaled matmul at one row (FP8_GEMV_ONE_ROW picks between them), each beside
+    weft's bf16 GEMV of the same layer (torch column); and the scaled matmul at 64 and 2048 rows
+    beside bf16 F.linear. Bytes: the e4m3 weight, its scales, x and the output."""
+    from weft.kernels.fp8_matmul import fp8_gemv
+    from weft.runtime.models.fp8 import FP8Weight, quantize_weight
+    from weft.runtime.models.layers import linear
+
+    rows = []
+    for n, k in LINEARS:
+        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(1, k, device=dev, generator=g, dtype=torch.bfloat16)
+        bf16_ms = bench_graph(lambda w=w, x=x: linear(x, w))
+        shape = f"N={n} K={k}"
+        for block in (None, (128, 128)):
+            q, scale = quantize_weight(w, block)
+            group = (1, k) if block is None else block
+            moved = n * k + scale.numel() * 4 + 2 * (k + n)
+            form = "channel" if block is None else "block"
+            rows.append(
+                timed(
+                    f"fp8 gemv ({form})",
+                    shape,
+                    lambda q=q, s=scale, gr=group, x=x: fp8_gemv(x, q, s, gr),
+                    moved,
+                    torch_ms=bf16_ms,
+                )
+            )
+        q, scale = quantize_weight(w, None)
+        weight = FP8Weight(q, scale, (1, k), dtype=torch.bfloat16, origin="load")
+        for m in (1, 64, 2048):
+            xm = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+            moved = n * k + n * 4 + 2 * m * (k + n)
+            ref = (
+                bf16_ms
+                if m == 1
+                else bench_graph(lambda w=w, xm=xm: torch.nn.functional.linear(xm, w))
+            )
+            rows.append(
+                timed(
+                    f"fp8 {weight.path} M={m}",
+                    shape,
+                    # NOTE: the path itself, not matmul(): that sends one row to the GEMV
+                    lambda wt=weight, xm=xm: wt.matmul_path(xm, None),
+                    moved,
+                    flops=2 * m * n * k,
+                    torch_ms=ref,
+                )
+            )
+    return rows
+
+
 SAMPLE_VOCABS = (128256, 151936)  # Llama-3, Qwen2
 
 
@@ -344,6 +402,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--sweep", action="store_true", help="time the attention kernels' tile settings")
     p.add_argument("--sampling", action="store_true", help="time the masked_sample rows only")
+    p.add_argument("--fp8", action="store_true", help="time the FP8 weight rows only")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit(
@@ -362,9 +421,11 @@ def main() -> None:
     print(f"Llama-3-8B shapes: Hq={HQ} Hkv={HKV} D={D} hidden={HIDDEN} inter={INTER}, {dtype}")
     if args.sampling:
         rows = bench_sampling(dev, g)
+    elif args.fp8:
+        rows = bench_fp8(dev, g)
     else:
         rows = bench_attention(dtype, dev, g) + bench_elementwise(dtype, dev, g)
-        rows += bench_sampling(dev, g)
+        rows += bench_sampling(dev, g) + bench_fp8(dev, g)
     header = (
         f"{'kernel':24} {'shape':26} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
         f"{'graph ms':>9} {'host us':>8} {'torch ms':>9}"

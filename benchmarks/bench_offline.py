@@ -127,6 +127,9 @@ def main() -> None:
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--quantization", default="auto", help="e.g. fp8: linear weights in e4m3 (EngineConfig)"
+    )
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
@@ -151,6 +154,7 @@ def main() -> None:
         tokenizer_path=args.tokenizer_path,
         load_format=args.load_format,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
@@ -194,7 +198,8 @@ def main() -> None:
     print(f"\ndevice    : {describe_device(device)}")
     print(
         f"model     : {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'} "
-        f"{config.architecture}, {dtype}, load_format={args.load_format}, {backend}"
+        f"{config.architecture}, {dtype}, load_format={args.load_format}, {backend}, "
+        f"quantization={args.quantization}"
     )
     shape = (
         f"{args.groups} groups x system {args.system_len} + question {args.input_len}"

@@ -6,7 +6,9 @@ prefilled together and decoded to the same length, with the scheduler stepped on
         [--hf-baseline] [--json-out results.jsonl]
 
 benchmarks/configs holds the config.json of llama-3.1-8b, qwen2.5-7b, qwen3-8b and
-qwen3-30b-a3b (a mixture of experts: 61 GB of bf16 weights, one 80 GB GPU holds it).
+qwen3-30b-a3b (a mixture of experts: 61 GB of bf16 weights, one 80 GB GPU holds it), and
+qwen3-8b-fp8 (Qwen3-8B-FP8's quantization_config: dummy weights in 128 x 128 FP8 blocks).
+`--quantization fp8` quantizes any of them per output channel at load.
 
 Per batch size: a fresh engine, one short warm-up pass (the first Triton compiles, autotuning
 and any lazy CUDA-graph capture happen there), then --repeats measured passes. Reported:
@@ -54,6 +56,7 @@ from common import (
     describe_device,
     expected_experts,
     expert_params,
+    fp8_weights,
     random_prompts,
     sync_device,
 )
@@ -122,6 +125,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     engine = p.add_argument_group("engine options (passed on only when given)")
     engine.add_argument("--dtype", default=None)
+    engine.add_argument(
+        "--quantization", default=None, help="e.g. fp8: linear weights in e4m3 (see EngineConfig)"
+    )
     engine.add_argument("--attention-backend", default=None)
     engine.add_argument("--chunked-prefill-size", type=int, default=None)
     engine.add_argument("--max-total-tokens", type=int, default=None)
@@ -161,6 +167,7 @@ def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
     """The engine options given on the command line; the engine's own defaults otherwise."""
     names = (
         "dtype",
+        "quantization",
         "attention_backend",
         "chunked_prefill_size",
         "max_total_tokens",
@@ -235,14 +242,21 @@ def run_pass(engine: Engine, prompts: list[list[int]], output_len: int, tag: str
     return Pass(prefill_s, prefill_steps, step_s, kv_tokens, e2e)
 
 
-def linear_weights(model: torch.nn.Module, batch: int) -> list[tuple[torch.Tensor, int]]:
+Weight = torch.Tensor | torch.nn.Module  # a dense [out, in] matrix or an FP8Weight
+
+
+def linear_weights(model: torch.nn.Module, batch: int) -> list[tuple[Weight, int]]:
     """The [out, in] matrices a decode step of `batch` tokens multiplies, each with the rows it
     multiplies: every 2-D parameter except the embedding table, which counts only when it is
-    tied (it is then the lm_head), at `batch` rows; of a mixture of experts, the experts the
-    batch is expected to pick (uniform routing), each at its share of the batch * k rows."""
+    tied (it is then the lm_head), at `batch` rows, and every FP8 weight; of a mixture of
+    experts, the experts the batch is expected to pick (uniform routing), each at its share of
+    the batch * k rows."""
     embed = model.get_parameter("embed_tokens.weight")
     tied = getattr(model, "lm_head", None) is None
-    out = [(p, batch) for p in model.parameters() if p.dim() == 2 and (p is not embed or tied)]
+    out: list[tuple[Weight, int]] = [
+        (p, batch) for p in model.parameters() if p.dim() == 2 and (p is not embed or tied)
+    ]
+    out += [(w, batch) for w in fp8_weights(model)]
     for stacked in expert_params(model):
         cfg = model.config  # type: ignore[union-attr]
         picked = max(1, round(expected_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)))
@@ -251,17 +265,26 @@ def linear_weights(model: torch.nn.Module, batch: int) -> list[tuple[torch.Tenso
     return out
 
 
+def _in_features(w: Weight) -> int:
+    return w.shape[1] if isinstance(w, torch.Tensor) else int(w.in_features)  # type: ignore[arg-type]
+
+
 @torch.inference_mode()
-def gemv_floor_ms(weights: list[tuple[torch.Tensor, int]], batch: int, fn: Any = F.linear) -> float:
-    """Median device time of fn([rows, in], W) over all (W, rows), from one CUDA graph."""
-    device = weights[0][0].device
+def gemv_floor_ms(weights: list[tuple[Weight, int]], batch: int, fn: Any = F.linear) -> float:
+    """Median device time of fn([rows, in], W) over all (W, rows), from one CUDA graph. FP8
+    weights always go through weft's own FP8 matmul (`linear`): cuBLAS has no FP8 GEMV."""
+    first = weights[0][0]
+    device = first.device if isinstance(first, torch.Tensor) else next(first.buffers()).device
+    dtypes = [w.dtype for w, _ in weights if isinstance(w, torch.Tensor)]
     inputs = {
-        w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device) for w, _ in weights
+        _in_features(w): torch.randn(batch, _in_features(w), dtype=dtypes[0], device=device)
+        for w, _ in weights
     }
 
     def run() -> None:
         for w, rows in weights:
-            fn(inputs[w.shape[1]][:rows], w)
+            x = inputs[_in_features(w)][:rows]
+            fn(x, w) if isinstance(w, torch.Tensor) else linear(x, w)  # type: ignore[arg-type]
 
     return cuda_graph_ms(run, GRAPH_REPLAYS)
 
@@ -460,6 +483,7 @@ def report(args: argparse.Namespace, rows: list[Row], info: RunInfo) -> None:
     print(
         f"model     : {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'} "
         f"{info.architecture}, {dtype}, load_format={args.load_format}, {info.backend}"
+        + (f", quantization={args.quantization}" if args.quantization else "")
         + (f", CUDA graphs {'on' if info.cuda_graphs else 'off'}" if cuda else "")
         + (f", overlap schedule {'on' if info.overlap else 'off'}" if cuda else "")
     )

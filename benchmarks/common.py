@@ -53,10 +53,19 @@ def expert_params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p for name, p in model.named_parameters() if ".experts." in name and p.dim() == 3]
 
 
+def fp8_weights(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's FP8 linear weights (quantization fp8, or an FP8 checkpoint)."""
+    from weft.runtime.models.fp8 import FP8Weight
+
+    return [m for m in model.modules() if isinstance(m, FP8Weight)]
+
+
 def decode_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
     """Bytes one decode step of `batch` tokens must read: every parameter except an untied
     embedding table; of a mixture of experts, only the experts the batch is expected to pick."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # FP8 linear weights are buffers (e4m3 values and float32 scales), not parameters
+    total += sum(b.numel() * b.element_size() for m in fp8_weights(model) for b in m.buffers())
     embed = model.embed_tokens.weight
     tied = getattr(model, "lm_head", None) is None
     if not tied:

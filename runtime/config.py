@@ -14,7 +14,7 @@ from weft.grammars.spec import JSON_WHITESPACE_MAX, MAX_SPEC_CHARS
 from weft.runtime.sampling_params import RequestLimits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf", "fp8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -38,7 +38,11 @@ class EngineConfig:
         "auto",
         "GGUF weights: gguf keeps the linear weights quantized (int4 / int8 CPU kernels, "
         "bfloat16 activations), none dequantizes them to the dtype; auto: gguf on a CPU with "
-        "bfloat16 in hardware, else none",
+        "bfloat16 in hardware, else none. HF folders and dummy weights: fp8 quantizes the "
+        "linear weights to e4m3 per output channel at load (bfloat16 activations, quantized per "
+        "token; GPUs of compute capability 8.9+ multiply in FP8; on a CPU ~30x slower than "
+        "bfloat16, for tests); an FP8 checkpoint loads as published, except that none (and auto "
+        "on a CPU) dequantizes it",
         choices=QUANTIZATIONS,
     )
     quantized_prefill: bool = option(

@@ -17,6 +17,19 @@ _ACT = {_GEMMA3: "gelu_pytorch_tanh"}
 
 
 @dataclass(frozen=True)
+class Fp8Checkpoint:
+    """An FP8 checkpoint's quantization_config: its linear weights are stored float8_e4m3fn,
+    each with a float32 scale tensor named `scale_name` beside it."""
+
+    method: str  # quant_method: fp8 | fbgemm_fp8 | compressed-tensors
+    block: tuple[int, int] | None  # scales per block of rows x columns; None: per tensor or row
+    scale_name: str  # weight_scale_inv (fp8 with weight_block_size) | weight_scale
+    # dynamic | static; NOTE: static checkpoints' input_scale are not read: weft quantizes the
+    # activations per token at run time either way (no less accurate than one static scale)
+    activation_scheme: str
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -57,6 +70,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    fp8: Fp8Checkpoint | None = None  # config.json's quantization_config (FP8 checkpoints)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -107,6 +121,7 @@ class ModelConfig:
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_ids(raw.get("eos_token_id")),
+                fp8=fp8_checkpoint(raw.get("quantization_config")),
             )
         except KeyError as exc:
             raise ValueError(f"{source}: missing field {exc.args[0]!r}") from None
@@ -221,6 +236,72 @@ def _rope_spec(rope: dict[str, Any], default_theta: float) -> RopeSpec:
     scaling.pop("rope_theta", None)
     scaling.pop("type", None)
     return theta, scaling
+
+
+def fp8_checkpoint(qc: dict[str, Any] | None) -> Fp8Checkpoint | None:
+    """config.json's quantization_config -> the FP8 form it describes (None: none); forms weft
+    cannot load are refused here, naming the field."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "weft-gguf":  # weft's own GGUF conversion (loaders/gguf_convert.py)
+        return None
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"quantization_config.fmt {qc['fmt']!r}: weft loads e4m3 FP8 only")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"quantization_config.activation_scheme {scheme!r} is unknown")
+        size = qc.get("weight_block_size")
+        if size is None:
+            return Fp8Checkpoint("fp8", None, "weight_scale", scheme)
+        if not (isinstance(size, list) and len(size) == 2 and all(int(v) > 0 for v in size)):
+            raise ValueError(
+                f"quantization_config.weight_block_size {size!r}: expected [rows, cols]"
+            )
+        return Fp8Checkpoint("fp8", (int(size[0]), int(size[1])), "weight_scale_inv", scheme)
+    if method == "fbgemm_fp8":  # e4m3 weights, a scale per row, activations per token
+        return Fp8Checkpoint("fbgemm_fp8", None, "weight_scale", "dynamic")
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    raise ValueError(
+        f"quantization_config.quant_method {method!r} is not supported: weft loads FP8 "
+        "checkpoints (fp8, fbgemm_fp8, compressed-tensors float8), or dense ones"
+    )
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> Fp8Checkpoint:
+    """compressed-tensors' float-quantized form: one config group of 8-bit float weights (per
+    tensor, channel or block), activations dynamic per token, static, or left dense."""
+    where = "quantization_config (compressed-tensors)"
+    groups = qc.get("config_groups") or {}
+    if qc.get("format") != "float-quantized" or len(groups) != 1:
+        raise ValueError(
+            f"{where}: format {qc.get('format')!r} with {len(groups)} config group(s); weft "
+            "loads one float-quantized group (FP8 weights)"
+        )
+    group = next(iter(groups.values()))
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    strategy = weights.get("strategy")
+    if (weights.get("num_bits"), weights.get("type")) != (8, "float") or strategy not in (
+        "tensor",
+        "channel",
+        "block",
+    ):
+        raise ValueError(
+            f"{where}: weights {weights.get('num_bits')}-bit {weights.get('type')} by "
+            f"{strategy}; weft loads 8-bit float weights by tensor, channel or block"
+        )
+    if acts is not None and (acts.get("num_bits"), acts.get("type")) != (8, "float"):
+        raise ValueError(f"{where}: input_activations {acts}: weft quantizes them to e4m3")
+    scheme = "dynamic" if acts is None or acts.get("dynamic") else "static"
+    block = None
+    if strategy == "block":
+        size = weights.get("block_structure")
+        if not (isinstance(size, list) and len(size) == 2):
+            raise ValueError(f"{where}: block_structure {size!r}: expected [rows, cols]")
+        block = (int(size[0]), int(size[1]))
+    return Fp8Checkpoint("compressed-tensors", block, "weight_scale", scheme)
 
 
 def _optional_float(value: Any) -> float | None:

@@ -13,9 +13,11 @@ from weft.runtime.core import ForwardBatch
 from weft.runtime.cuda_graph import CudaGraphRunner
 from weft.runtime.hardware import cpu_bf16_flags
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool
+from weft.runtime.loaders.fp8_plan import apply_fp8, fp8_text, resolve_fp8
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
 from weft.runtime.model_config import ModelConfig
+from weft.runtime.models.fp8 import FP8Weight
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
 from weft.runtime.models.registry import model_class
 
@@ -45,9 +47,16 @@ def _activation_text(dtype: torch.dtype, device: torch.device) -> str:
     return f"activations {name} (CPU {hardware})"
 
 
-def _weights_text(quantized: list[QuantWeight], dtype: torch.dtype, quantized_prefill: bool) -> str:
+def _weights_text(
+    quantized: list[QuantWeight],
+    dtype: torch.dtype,
+    quantized_prefill: bool,
+    fp8: list[FP8Weight] | None = None,
+) -> str:
     """The start log's account of how the linear weights are held."""
     name = str(dtype).removeprefix("torch.")
+    if fp8:
+        return f"{fp8_text(fp8)} linear weights; the rest {name}"
     if not quantized:
         return f"all {name}"
     forms = [w.form for w in quantized]
@@ -131,11 +140,20 @@ class ModelRunner:
         cfg = self.model_config
         if max_ctx > cfg.max_position_embeddings:
             cfg = dataclasses.replace(cfg, max_position_embeddings=max_ctx)
+        fp8_plan = resolve_fp8(config, cfg, source.load_format, self.dtype, self.device)
         with torch.device(self.device):
             self.model = cls(cfg, self.dtype)
         self._load_weights(source)
+        apply_fp8(self.model, fp8_plan)
+        if fp8_plan.why:
+            logger.info("FP8: %s", fp8_plan.why)
+        if fp8_plan.action != "none" and self.device.type == "cuda":
+            # NOTE: the dense weights just replaced stay in torch's cache, which the KV pool's
+            # size (from the driver's free memory) would not count
+            torch.cuda.empty_cache()
         self.model.eval()
         quantized = [m for m in self.model.modules() if isinstance(m, QuantWeight)]
+        fp8 = [m for m in self.model.modules() if isinstance(m, FP8Weight)]
         if config.quantized_prefill:
             for weight in quantized:
                 weight.drop_dense()
@@ -156,7 +174,7 @@ class ModelRunner:
             cfg.architecture,
             _activation_text(self.dtype, self.device),
             self.device,
-            _weights_text(quantized, self.dtype, config.quantized_prefill),
+            _weights_text(quantized, self.dtype, config.quantized_prefill, fp8),
             self.kv_pool.size,
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
         )

@@ -87,6 +87,11 @@ def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
     import torch
 
     choice, cuda = config.quantization, _on_cuda(config)
+    if choice == "fp8":
+        raise ValueError(
+            "quantization 'fp8' quantizes an HF safetensors folder (or dummy weights); a GGUF "
+            "file's weights are GGUF-quantized already: use quantization gguf or none"
+        )
     if choice == "gguf" and cuda:
         raise ValueError("quantization 'gguf' runs on the CPU only; on CUDA use 'none'")
     if choice == "gguf" and dtype != torch.bfloat16:

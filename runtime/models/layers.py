@@ -16,20 +16,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.runtime.model_config import Fp8Checkpoint
+from weft.runtime.models.fp8 import FP8_DTYPE, FP8Weight, merge_shards, quantize_weight
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantWeight | FP8Weight,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, in] @ weight[out, in]^T (+ bias); a QuantWeight runs its own kernels.
+    """x [M, in] @ weight[out, in]^T (+ bias); a QuantWeight or FP8Weight runs its own kernels.
 
     NOTE: a single row goes through a matrix-vector product: on CUDA the Triton GEMV, which
     streams an 8B model's weights ~10% faster than cuBLAS's M = 1 tiles on an H100 (RESULTS.md);
     on CPUs torch.mv, which streams bf16 weights at ~23 GB/s where F.linear manages ~15 GB/s
     (2-core AVX-512 machine).
     """
-    if isinstance(weight, QuantWeight):
+    if isinstance(weight, (QuantWeight, FP8Weight)):
         return weight.matmul(x, bias)
     if x.shape[0] == 1:
         if x.is_cuda and HAS_TRITON and x.stride(-1) == 1 and weight.stride(-1) == 1:
@@ -44,6 +49,8 @@ def linear(
 
 # Stored leaves of a quantized linear weight (loaders/gguf_quant.py has the layout)
 QUANT_LEAVES = ("qweight", "qscale", "qzero")
+# An FP8 checkpoint's scale leaves beside each e4m3 `weight` (input_scale: static activations)
+FP8_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale")
 _FORM_LEAVES = {"int4": QUANT_LEAVES, "int8": QUANT_LEAVES[:2]}
 INT4_GROUP = 32
 # NOTE: torch's int4/int8 CPU matmuls cost about linearly in M (they dequantize per row): from
@@ -121,9 +128,11 @@ class QuantWeight(nn.Module):
 
 
 class _QuantLoading:
-    """Linear modules whose weight may arrive quantized, one shard (row block) at a time."""
+    """Linear modules whose weight may arrive quantized, one shard (row block) at a time: GGUF
+    leaves (QUANT_LEAVES) or an FP8 checkpoint's e4m3 weight and its scales (FP8_LEAVES)."""
 
-    weight: torch.Tensor | QuantWeight
+    weight: torch.Tensor | QuantWeight | FP8Weight
+    quantize: bool  # whether quantization 'fp8' may quantize this dense weight at load
     _quant_parts: dict[tuple[int, str], torch.Tensor]
 
     def load_quant(self, leaf: str, shard: int, n_shards: int, tensor: torch.Tensor) -> bool:
@@ -139,15 +148,80 @@ class _QuantLoading:
         target = self.weight
         assert isinstance(target, torch.Tensor)
         quant = QuantWeight(form, merged, target.dtype)
-        if (quant.out_features, quant.in_features) != tuple(target.shape):
-            raise ValueError(
-                f"quantized weight is [{quant.out_features}, {quant.in_features}], "
-                f"expected {list(target.shape)}"
-            )
-        del self.weight  # type: ignore[misc]  # the dense Parameter: never filled
-        self.weight = quant
+        self._swap_weight(quant, quant.out_features, quant.in_features)
         parts.clear()
         return True
+
+    def load_fp8(
+        self,
+        leaf: str,
+        shard: int,
+        n_shards: int,
+        tensor: torch.Tensor,
+        *,
+        name: str,
+        spec: Fp8Checkpoint,
+    ) -> bool:
+        """Keep one shard's e4m3 `weight` or its scale (spec.scale_name); once every shard has
+        both, swap the dense weight for an FP8Weight. Returns True when the weight is complete."""
+        want = spec.scale_name
+        if leaf not in ("weight", want):
+            raise ValueError(f"{name}: unexpected in a {spec.method} checkpoint (scales: {want})")
+        if leaf == "weight" and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"{name}: dtype {tensor.dtype} among float8_e4m3fn shards")
+        parts = self.__dict__.setdefault("_quant_parts", {})
+        parts[(shard, leaf)] = tensor
+        names = self.__dict__.setdefault("_fp8_names", {})
+        names[shard] = name.removesuffix("." + leaf)
+        if any((s, x) not in parts for s in range(n_shards) for x in ("weight", want)):
+            return False
+        weight, scale, group = merge_shards(
+            [parts[(s, "weight")] for s in range(n_shards)],
+            [parts[(s, want)] for s in range(n_shards)],
+            spec.block,
+            [names[s] for s in range(n_shards)],
+            scale_name=want,
+        )
+        target = self.weight
+        assert isinstance(target, torch.Tensor)
+        fp8 = FP8Weight(weight, scale, group, dtype=target.dtype, origin="checkpoint")
+        what = " + ".join(names[s] for s in range(n_shards))
+        self._swap_weight(fp8, fp8.out_features, fp8.in_features, what)
+        parts.clear()
+        names.clear()
+        return True
+
+    def pending_quant(self) -> list[str]:
+        """The leaves of shards that arrived without the rest of their weight."""
+        parts = self.__dict__.get("_quant_parts", {})
+        return [f"shard {shard} {leaf}" for shard, leaf in sorted(parts)]
+
+    def quantize_fp8(self, block: tuple[int, int] | None = None) -> FP8Weight:
+        """Replace the loaded dense weight by its e4m3 form (per row, or per block)."""
+        target = self.weight
+        assert isinstance(target, torch.Tensor)
+        qweight, scale = quantize_weight(target.data, block)
+        group = (1, target.shape[1]) if block is None else block
+        fp8 = FP8Weight(qweight, scale, group, dtype=target.dtype, origin="load")
+        self._swap_weight(fp8, fp8.out_features, fp8.in_features)
+        return fp8
+
+    def dequantize_fp8(self) -> None:
+        """Replace an FP8Weight by the dense weight it holds (quantization 'none')."""
+        fp8 = self.weight
+        assert isinstance(fp8, FP8Weight)
+        del self.weight  # type: ignore[misc]  # the FP8Weight submodule
+        self.weight = nn.Parameter(fp8.dense(), requires_grad=False)
+
+    def _swap_weight(
+        self, quant: QuantWeight | FP8Weight, out: int, inp: int, what: str = "quantized weight"
+    ) -> None:
+        target = self.weight
+        assert isinstance(target, torch.Tensor)
+        if (out, inp) != tuple(target.shape):
+            raise ValueError(f"{what} is [{out}, {inp}], expected {list(target.shape)}")
+        del self.weight  # type: ignore[misc]  # the dense Parameter: never filled
+        self.weight = quant
 
 
 class ColumnLinear(_QuantLoading, nn.Module):
@@ -155,6 +229,7 @@ class ColumnLinear(_QuantLoading, nn.Module):
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
         super().__init__()
+        self.quantize = True
         self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         self.shard_sizes = shard_sizes
         out = sum(shard_sizes)
@@ -175,8 +250,13 @@ class ColumnLinear(_QuantLoading, nn.Module):
 
 
 class RowLinear(_QuantLoading, nn.Module):
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+    """quantize False: a weight quantization 'fp8' leaves dense (the lm_head, a MoE router)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, dtype: torch.dtype, *, quantize: bool = True
+    ):
         super().__init__()
+        self.quantize = quantize
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
         )
@@ -320,6 +400,9 @@ class Rotary(nn.Module):
 
 
 def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if tensor.dtype == FP8_DTYPE and target.dtype != FP8_DTYPE:
+        # NOTE: copy_ would widen the e4m3 values without their scales: wrong weights, silently
+        raise ValueError(f"{what}: a float8_e4m3fn tensor where weft holds no FP8 weight")
     if tuple(target.shape) != tuple(tensor.shape):
         raise ValueError(f"{what}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
     target.copy_(tensor)

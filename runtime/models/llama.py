@@ -12,7 +12,9 @@ from torch import nn
 from weft.runtime.attention import AttentionBackend, AttentionOptions
 from weft.runtime.core import ForwardBatch
 from weft.runtime.model_config import ModelConfig
+from weft.runtime.models.fp8 import FP8_DTYPE
 from weft.runtime.models.layers import (
+    FP8_LEAVES,
     GATED_ACTIVATIONS,
     QUANT_LEAVES,
     ColumnLinear,
@@ -138,7 +140,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, dtype)
+            None
+            if cfg.tie_word_embeddings
+            else RowLinear(cfg.hidden_size, cfg.vocab_size, dtype, quantize=False)
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -179,16 +183,25 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the checkpoint repeats the embedding
-            module_name, _, leaf = name.rpartition(".")  # leaf: weight | bias | QUANT_LEAVES
+            module_name, _, leaf = name.rpartition(".")  # leaf: weight | bias | *_LEAVES
             parent, _, proj = module_name.rpartition(".")
-            if leaf in QUANT_LEAVES:  # a quantized GGUF weight (loaders/gguf_quant.py)
+            fp8 = leaf in FP8_LEAVES or (leaf == "weight" and tensor.dtype == FP8_DTYPE)
+            if leaf == "input_scale":
+                continue  # static activation scales: weft quantizes per token (Fp8Checkpoint)
+            if leaf in QUANT_LEAVES or fp8:  # a GGUF (loaders/gguf_quant.py) or FP8 weight
                 merged, shard = _STACKED.get(proj, (proj, 0))
-                module = self.get_submodule(f"{parent}.{merged}" if parent else merged)
-                assert isinstance(module, (ColumnLinear, RowLinear))
-                n_shards = len(module.shard_sizes) if isinstance(module, ColumnLinear) else 1
+                holder = self._quantized_linear(f"{parent}.{merged}" if parent else merged, name)
+                n_shards = len(holder.shard_sizes) if isinstance(holder, ColumnLinear) else 1
                 # NOTE: nothing to mark loaded: the dense weight Parameter goes once complete,
                 # and stays (reported missing) if a shard never comes
-                module.load_quant(leaf, shard, n_shards, tensor)
+                if not fp8:
+                    holder.load_quant(leaf, shard, n_shards, tensor)
+                elif self.config.fp8 is None:
+                    raise ValueError(
+                        f"{name}: an FP8 tensor, but config.json has no quantization_config"
+                    )
+                else:
+                    holder.load_fp8(leaf, shard, n_shards, tensor, name=name, spec=self.config.fp8)
                 continue
             if proj in _STACKED:
                 merged, shard = _STACKED[proj]
@@ -205,4 +218,21 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
             load_plain(params[name], tensor, name)
             loaded.add(name)
+        for module_name, module in self.named_modules():
+            if isinstance(module, (ColumnLinear, RowLinear)) and module.pending_quant():
+                raise ValueError(
+                    f"checkpoint ends part-way through the quantized weight of {module_name}: "
+                    f"it has only {', '.join(module.pending_quant())}"
+                )
         return loaded
+
+    def _quantized_linear(self, path: str, name: str) -> ColumnLinear | RowLinear:
+        """The linear a quantized checkpoint tensor `name` belongs to."""
+        module: nn.Module | None
+        try:
+            module = self.get_submodule(path)
+        except AttributeError:
+            module = None
+        if not isinstance(module, (ColumnLinear, RowLinear)):
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint: no linear layer {path}")
+        return module

@@ -40,6 +40,11 @@ class Experts(nn.Module):
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> str:
         """One expert's gate_proj, up_proj or down_proj weight; returns the parameter's name."""
         name, half = _ROWS[proj]
+        if tensor.dtype == torch.float8_e4m3fn:
+            raise ValueError(
+                f"experts.{expert}.{proj}: FP8 expert weights are not supported yet (weft's "
+                "fused MoE kernel takes bfloat16 experts); load a bfloat16 checkpoint"
+            )
         param: torch.Tensor = getattr(self, name)
         if not 0 <= expert < param.shape[0]:
             raise ValueError(f"expert {expert} out of range: the model has {param.shape[0]}")
@@ -59,7 +64,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
-        self.gate = RowLinear(cfg.hidden_size, cfg.num_experts, dtype)  # the router, no bias
+        # the router, no bias; kept dense under quantization 'fp8' (it picks the experts)
+        self.gate = RowLinear(cfg.hidden_size, cfg.num_experts, dtype, quantize=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -15,7 +15,8 @@ from weft.runtime.models.llama import MLP, LlamaForCausalLM
 from weft.runtime.models.moe import Experts, SparseMoE
 
 _PER_EXPERT = re.compile(
-    r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
+    r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale_inv|weight_scale|input_scale)"
 )
 
 
@@ -40,6 +41,11 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                     yield name, tensor
                     continue
                 layer, expert, proj = int(match[1]), int(match[2]), match[3]
+                if match[4] != "weight":
+                    raise ValueError(
+                        f"{name}: FP8 expert weights are not supported yet (weft's fused MoE "
+                        "kernel takes bfloat16 experts); load a bfloat16 checkpoint"
+                    )
                 experts = self._experts(layer, name)
                 param = experts.load_expert(expert, proj, tensor)
                 shards.setdefault(f"layers.{layer}.mlp.experts.{param}", set()).add((expert, proj))
