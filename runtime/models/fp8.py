@@ -279,5 +279,7 @@ def merge_shards(
     bn, bk = block
     if all(w.shape[0] % bn == 0 for w in weights[:-1]):
         return weight, torch.cat(rows), block
-    per_row = [s.repeat_interleave(bn, dim=0)[: w.shape[0]] for s, w in zip(rows, weights)]
+    per_row = [
+        s.repeat_interleave(bn, dim=0)[: w.shape[0]] for s, w in zip(rows, weights, strict=True)
+    ]
     return weight, torch.cat(per_row), (1, bk)
