@@ -16,6 +16,9 @@ from weft.kernels._checks import FLOAT_DTYPES, check, check_tensor, next_pow2
 
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # runtime/models/fp8.MIN_AMAX: a row of zeros gets a nonzero scale
+# NOTE: compiled Triton reads only constexpr globals in a kernel (the interpreter reads any)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit
@@ -41,13 +44,13 @@ def _quant_kernel(
         mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
         v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    s = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
+    s = tl.maximum(tl.max(amax, 0), _MIN_AMAX) / _FP8_MAX
     tl.store(scale + row * stride_s + g, s)
     for k0 in range(0, group, BLOCK):
         offs = start + k0 + tl.arange(0, BLOCK)
         mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
         v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        qv = tl.minimum(tl.maximum(v / s, -FP8_MAX), FP8_MAX)
+        qv = tl.minimum(tl.maximum(v / s, -_FP8_MAX), _FP8_MAX)
         tl.store(q_row + offs, qv.to(q.dtype.element_ty), mask=mask)
 
 
