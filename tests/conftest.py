@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -135,7 +136,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_collection_modifyitems(config, items):
     """WEFT_TEST_PART=K/N keeps part K of N: whole modules (module-scoped servers start once),
-    dealt greedily by test count, largest module first, so the parts come out near equal."""
+    dealt greedily by time, longest module first, so the parts take near equal time: a module's
+    seconds as measured on a GPU machine (tests/gpu_durations.json), or ~1 s a test for a module
+    not measured there."""
     part = os.environ.get("WEFT_TEST_PART", "1/1")
     k, n = (int(x) for x in part.split("/"))
     if n == 1:
@@ -145,10 +148,12 @@ def pytest_collection_modifyitems(config, items):
     counts: dict[str, int] = {}
     for item in items:
         counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
-    loads, owner = [0] * n, {}
-    for module in sorted(counts, key=lambda m: (-counts[m], m)):
+    measured = json.loads((Path(__file__).parent / "gpu_durations.json").read_text())["seconds"]
+    cost = {m: measured.get(m, float(c)) for m, c in counts.items()}
+    loads, owner = [0.0] * n, {}
+    for module in sorted(cost, key=lambda m: (-cost[m], m)):
         owner[module] = min(range(n), key=lambda i: loads[i])
-        loads[owner[module]] += counts[module]
+        loads[owner[module]] += cost[module]
     mine = [owner[i.nodeid.split("::")[0]] == k - 1 for i in items]
     config.hook.pytest_deselected(items=[i for i, m in zip(items, mine, strict=True) if not m])
     items[:] = [i for i, m in zip(items, mine, strict=True) if m]
