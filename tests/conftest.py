@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +47,16 @@ def within(seconds: float, fn: Callable[[], Any], hang: str = "hung") -> Any:
     return box["value"]
 
 
+@functools.cache
+def gguf_reader(path: Path) -> Any:
+    """The GGUF at `path`, parsed once per session: gguf-py builds a view per element of every
+    array, so a header with a large vocabulary takes seconds (3 s for a 32000-token one, 15 s for
+    the default model's). Read-only (memory-mapped), so the tests share one reader."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def require_default_model() -> None:
     """Skip the test unless the embedded default model's wheels are installed."""
     import importlib.util
@@ -79,6 +91,44 @@ def schedule(request) -> str:
     grammars run under both schedules: the overlap one is the default on CUDA only, where CI
     never runs (see `server_utils.schedule_args`)."""
     return request.param
+
+
+# ---- GGUF files written by the tests: each tokenizer built once ------------------------------
+
+# NOTE: filled by test_gguf.write_gguf: path -> (vocabulary file, architecture, size, mtime_ns)
+WRITTEN_GGUFS: dict[Path, tuple[Path, str, int, int]] = {}
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizers_once(tmp_path_factory) -> Iterator[None]:
+    """Converting a file that test_gguf.write_gguf wrote builds its tokenizer once per
+    (vocabulary, architecture, template, specials, BOS) and copies the saved files after: the
+    converter hands transformers identical inputs each time, and a 32000-token build takes ~5 s.
+    Any other file (the real models, a copy, a file changed since) is converted as usual.
+    NOTE: stays patched until the session ends (session fixtures convert with it)."""
+    from weft.runtime.loaders import gguf_convert
+
+    real = gguf_convert._save_tokenizer
+    built: dict[tuple[Any, ...], Path] = {}
+    root = tmp_path_factory.mktemp("gguf-tokenizers")
+
+    def save_once(src, folder, template, specials, add_bos=None):
+        written = WRITTEN_GGUFS.get(Path(src))
+        stat = Path(src).stat()
+        if written is None or written[2:] != (stat.st_size, stat.st_mtime_ns):
+            return real(src, folder, template, specials, add_bos)
+        key = (*written[:2], template, tuple(sorted(specials.items())), add_bos)
+        if key not in built:
+            out = root / str(len(built))
+            out.mkdir()
+            real(src, out, template, specials, add_bos)
+            built[key] = out
+        shutil.copytree(built[key], folder, dirs_exist_ok=True)
+        return None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_convert, "_save_tokenizer", save_once)
+        yield
 
 
 # ---- engines: built once per module, audited after every test ----------------------------
