@@ -85,6 +85,25 @@ def qwen_server():
     assert srv.stop() == 0
 
 
+@pytest.fixture(scope="session")
+def stories_server(stories_dir):
+    """One stories260K server with the common start (server_utils.stories_args), shared by the
+    modules that need no other flag: each start costs three processes' imports (~10 s on a
+    2-core CPU). Those modules audit its KV pool as they finish (`shared_server`)."""
+    from server_utils import ServerProcess, stories_args
+
+    srv = ServerProcess(*stories_args(stories_dir))
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
+def shared_server(srv: Any) -> Iterator[Any]:
+    """A module's view of a session server: its KV pool audited when the module is done."""
+    yield srv
+    srv.assert_kv_intact()
+
+
 @pytest.fixture(scope="module", params=["plain", "overlap"])
 def schedule(request) -> str:
     """The server modules that exercise aborts, disconnects, timeouts, n > 1, logprobs and

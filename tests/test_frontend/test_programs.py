@@ -9,8 +9,7 @@ import pytest
 
 import weft
 
-from conftest import fixture_path, make_engine
-from server_utils import ServerProcess
+from conftest import fixture_path, make_engine, shared_server
 
 
 @pytest.fixture
@@ -24,13 +23,8 @@ def stories_engine():
 
 
 @pytest.fixture(scope="module")
-def stories_server():
-    srv = ServerProcess(
-        "--model-path", str(fixture_path("models", "stories260K-hf")), "--max-total-tokens", "4096"
-    )
-    yield srv
-    srv.assert_kv_intact()
-    assert srv.stop() == 0
+def stories_server(stories_server):
+    yield from shared_server(stories_server)
 
 
 def _cases(checks):
