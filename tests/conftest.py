@@ -98,6 +98,26 @@ def stories_server(stories_dir):
     assert srv.stop() == 0
 
 
+@pytest.fixture(scope="session")
+def qwen_api_server():
+    """The embedded default model served as "qwen" with /metrics, for the OpenAI-API modules
+    (test_server_openai's Qwen tests, test_server_structured): one start for both (~20 s)."""
+    from weft.runtime.loaders.default_model import default_model_parts
+
+    from server_utils import ServerProcess
+
+    try:
+        default_model_parts()
+    except RuntimeError as exc:
+        pytest.skip(f"the embedded default model is not installed: {exc}")
+    srv = ServerProcess(
+        "--max-total-tokens", "4096", "--served-model-name", "qwen", "--enable-metrics"
+    )
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
 def shared_server(srv: Any) -> Iterator[Any]:
     """A module's view of a session server: its KV pool audited when the module is done."""
     yield srv
