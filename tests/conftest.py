@@ -190,6 +190,22 @@ def jump_forward_off(*engines: Any) -> Iterator[None]:
             engine.scheduler.config = config
 
 
+@functools.cache
+def _qwen_engine() -> Any:
+    from weft import Engine
+
+    engine = Engine(max_total_tokens=4096, show_progress=False, log_level="warning")
+    _LIVE_ENGINES.append(engine)  # audited after each test; shut down at session end
+    return engine
+
+
+def qwen_engine() -> Any:
+    """The default model in one Engine (4096 KV tokens) for every module that needs no other
+    setting: a load takes seconds. Skips when the model is not installed."""
+    require_default_model()
+    return _qwen_engine()
+
+
 def make_engine(model_path, **kwargs):
     """An Engine registered for the after-test integrity audit (and shut down at session end)."""
     from weft import Engine

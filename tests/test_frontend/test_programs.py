@@ -3,18 +3,17 @@ against the default Qwen model (slow; it has a chat template)."""
 
 from __future__ import annotations
 
-import backends
 import programs
 import pytest
 
 import weft
 
-from conftest import fixture_path, make_engine, shared_server
+from conftest import fixture_path, make_engine, qwen_engine, shared_server
 
 
 @pytest.fixture
 def qwen():
-    return backends.qwen_engine()
+    return qwen_engine()
 
 
 @pytest.fixture(scope="module")
