@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,6 +48,16 @@ def within(seconds: float, fn: Callable[[], Any], hang: str = "hung") -> Any:
     return box["value"]
 
 
+@functools.cache
+def gguf_reader(path: Path) -> Any:
+    """The GGUF at `path`, parsed once per session: gguf-py builds a view per element of every
+    array, so a header with a large vocabulary takes seconds (3 s for a 32000-token one, 15 s for
+    the default model's). Read-only (memory-mapped), so the tests share one reader."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def require_default_model() -> None:
     """Skip the test unless the embedded default model's wheels are installed."""
     import importlib.util
@@ -74,12 +86,89 @@ def qwen_server():
     assert srv.stop() == 0
 
 
+@pytest.fixture(scope="session")
+def stories_server(stories_dir):
+    """One stories260K server with the common start (server_utils.stories_args), shared by the
+    modules that need no other flag: each start costs three processes' imports (~10 s on a
+    2-core CPU). Those modules audit its KV pool as they finish (`shared_server`)."""
+    from server_utils import ServerProcess, stories_args
+
+    srv = ServerProcess(*stories_args(stories_dir))
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def qwen_api_server():
+    """The embedded default model served as "qwen" with /metrics, for the OpenAI-API modules
+    (test_server_openai's Qwen tests, test_server_structured): one start for both (~20 s)."""
+    from weft.runtime.loaders.default_model import default_model_parts
+
+    from server_utils import ServerProcess
+
+    try:
+        default_model_parts()
+    except RuntimeError as exc:
+        pytest.skip(f"the embedded default model is not installed: {exc}")
+    srv = ServerProcess(
+        "--max-total-tokens", "4096", "--served-model-name", "qwen", "--enable-metrics"
+    )
+    yield srv
+    srv.assert_kv_intact()
+    assert srv.stop() == 0
+
+
+def shared_server(srv: Any) -> Iterator[Any]:
+    """A module's view of a session server: its KV pool audited when the module is done."""
+    yield srv
+    srv.assert_kv_intact()
+
+
 @pytest.fixture(scope="module", params=["plain", "overlap"])
 def schedule(request) -> str:
     """The server modules that exercise aborts, disconnects, timeouts, n > 1, logprobs and
     grammars run under both schedules: the overlap one is the default on CUDA only, where CI
     never runs (see `server_utils.schedule_args`)."""
     return request.param
+
+
+# ---- GGUF files written by the tests: each tokenizer built once ------------------------------
+
+# NOTE: filled by test_gguf.write_gguf: path -> (vocabulary file, architecture, size, mtime_ns)
+WRITTEN_GGUFS: dict[Path, tuple[Path, str, int, int]] = {}
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizers_once(tmp_path_factory) -> Iterator[None]:
+    """Converting a file that test_gguf.write_gguf wrote builds its tokenizer once per
+    (vocabulary, architecture, template, specials, BOS) and copies the saved files after: the
+    converter hands transformers identical inputs each time, and a 32000-token build takes ~5 s.
+    Any other file (the real models, a copy, a file changed since) is converted as usual.
+    NOTE: stays patched until the session ends (session fixtures convert with it)."""
+    from weft.runtime.loaders import gguf_convert
+
+    real = gguf_convert._save_tokenizer
+    built: dict[tuple[Any, ...], Path] = {}
+    root = tmp_path_factory.mktemp("gguf-tokenizers")
+
+    def save_once(src, folder, template, specials, add_bos=None):
+        written = WRITTEN_GGUFS.get(Path(src))
+        stat = Path(src).stat()
+        if written is None or written[2:] != (stat.st_size, stat.st_mtime_ns):
+            return real(src, folder, template, specials, add_bos)
+        key = (*written[:2], template, tuple(sorted(specials.items())), add_bos)
+        if key not in built:
+            out = root / str(len(built))
+            out.mkdir()
+            real(src, out, template, specials, add_bos)
+            built[key] = out
+        shutil.copytree(built[key], folder, dirs_exist_ok=True)
+        return None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_convert, "_save_tokenizer", save_once)
+        yield
 
 
 # ---- engines: built once per module, audited after every test ----------------------------
@@ -100,6 +189,22 @@ def jump_forward_off(*engines: Any) -> Iterator[None]:
     finally:
         for engine, config in zip(engines, configs, strict=True):
             engine.scheduler.config = config
+
+
+@functools.cache
+def _qwen_engine() -> Any:
+    from weft import Engine
+
+    engine = Engine(max_total_tokens=4096, show_progress=False, log_level="warning")
+    _LIVE_ENGINES.append(engine)  # audited after each test; shut down at session end
+    return engine
+
+
+def qwen_engine() -> Any:
+    """The default model in one Engine (4096 KV tokens) for every module that needs no other
+    setting: a load takes seconds. Skips when the model is not installed."""
+    require_default_model()
+    return _qwen_engine()
 
 
 def make_engine(model_path, **kwargs):

@@ -54,10 +54,11 @@ from weft.runtime.loaders.gguf_convert import (
 )
 from weft.runtime.model_config import ModelConfig
 
-from conftest import fixture_path, make_engine
+from conftest import WRITTEN_GGUFS, fixture_path, gguf_reader, make_engine
 from hf_models import hf_greedy
 
 Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.usefixtures("gguf_tokenizers_once")
 SPM_VOCAB = ("llamacpp-vocab-tests", "ggml-vocab-llama-spm.gguf")
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 LLAMA3_SCALING = {
@@ -254,7 +255,7 @@ def tiny_gemma3(vocab_size: int) -> Gemma3ForCausalLM:
 
 
 def copy_tokenizer_metadata(writer: gguf.GGUFWriter, vocab_gguf: Path) -> None:
-    reader = gguf.GGUFReader(vocab_gguf)
+    reader = gguf_reader(vocab_gguf)
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
@@ -337,6 +338,9 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if vocab is not None:
+        stat = path.stat()
+        WRITTEN_GGUFS[path] = (vocab, arch, stat.st_size, stat.st_mtime_ns)
 
 
 def roundtrip(t: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
@@ -939,7 +943,7 @@ def real_folder(real_gguf: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def real_reader(real_gguf: Path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(real_gguf)  # NOTE: parsing the header takes seconds; read it once
+    return gguf_reader(real_gguf)  # NOTE: parsing the header takes seconds; read it once
 
 
 @pytest.mark.slow

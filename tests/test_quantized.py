@@ -21,9 +21,10 @@ from weft.runtime.loaders import gguf_convert
 from weft.runtime.loaders.gguf_convert import _Entry, _entry_data, _outputs, convert_gguf
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
 
-from conftest import fixture_path, make_engine, require_default_model
+from conftest import fixture_path, gguf_reader, make_engine, require_default_model
 
 Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.usefixtures("gguf_tokenizers_once")
 # Max |x @ W_kernel^T - x @ W_gguf^T| / max |x @ W_gguf^T| over 4 rows of unit-normal x, measured
 # on the tensors of CASES (in brackets). int4: only the bf16 rounding of scales, zeros, x and the
 # output; int8: the per-row requantization on top.
@@ -52,7 +53,7 @@ def default_gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def tensors(default_gguf) -> dict[str, object]:
-    return {t.name: t for t in gguf.GGUFReader(default_gguf).tensors}
+    return {t.name: t for t in gguf_reader(default_gguf).tensors}
 
 
 def _quant_weight(source: object, form: str) -> QuantWeight:

@@ -7,20 +7,14 @@ import re
 
 import pytest
 
-from conftest import require_default_model
+from conftest import qwen_engine
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engine():
-    require_default_model()
-    from weft import Engine
-
-    eng = Engine(max_total_tokens=4096, show_progress=False, log_level="warning")
-    yield eng
-    eng.check_integrity()
-    eng.shutdown()
+    return qwen_engine()  # (audited after each test)
 
 
 def _chat(engine, text: str) -> str:

@@ -24,17 +24,15 @@ from weft.runtime.server.liveness import (
     scheduler_liveness,
 )
 
+from conftest import shared_server
 from server_utils import ServerProcess, stories_args
 
 LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir):
-    srv = ServerProcess(*stories_args(stories_dir))
-    yield srv
-    srv.assert_kv_intact()
-    assert srv.stop() == 0
+def server(stories_server):
+    yield from shared_server(stories_server)
 
 
 class Stream(threading.Thread):
@@ -152,20 +150,17 @@ def test_liveness_decisions():
     assert scheduler_liveness(0.5, STALL_HEALTH_S - 1, 1, 0)[0] is None
 
 
-def test_a_frozen_scheduler_fails_health_and_recovers(stories_dir):
-    srv = ServerProcess(*stories_args(stories_dir))
-    try:
-        with srv.scheduler_paused():
-            srv.wait_health(503, timeout=HEARTBEAT_TIMEOUT_S + 5)
-            body = srv.get("/health").json()["error"]["message"]
-            assert "the scheduler process has not answered" in body
-            started = time.monotonic()
-            r = srv.get("/get_server_info")
-            assert r.status_code == 503 and time.monotonic() - started < 2.0, r.text
-        srv.wait_health(200, timeout=10)
-        srv.assert_kv_intact()
-    finally:
-        assert srv.stop() == 0
+def test_a_frozen_scheduler_fails_health_and_recovers(server):
+    # (the shared server: it serves on after this test; the session stops it and checks exit 0)
+    with server.scheduler_paused():
+        server.wait_health(503, timeout=HEARTBEAT_TIMEOUT_S + 5)
+        body = server.get("/health").json()["error"]["message"]
+        assert "the scheduler process has not answered" in body
+        started = time.monotonic()
+        r = server.get("/get_server_info")
+        assert r.status_code == 503 and time.monotonic() - started < 2.0, r.text
+    server.wait_health(200, timeout=10)
+    server.assert_kv_intact()
 
 
 def test_the_watchdog_fails_pending_requests_and_exits(stories_dir):

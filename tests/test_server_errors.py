@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
+from conftest import shared_server
 from server_utils import ServerProcess
 
 OK_NATIVE = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4}}
@@ -28,11 +29,8 @@ def _ref_chain(length: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir):
-    srv = ServerProcess("--model-path", str(stories_dir), "--max-total-tokens", "4096")
-    yield srv
-    srv.assert_kv_intact()
-    assert srv.stop() == 0
+def server(stories_server):
+    yield from shared_server(stories_server)
 
 
 def _check(

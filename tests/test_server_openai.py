@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from chat_templates import GEMMA3, MISTRAL_V11, QWEN3
-from conftest import fixture_path
+from conftest import fixture_path, shared_server
 from server_utils import ServerProcess, schedule_args, stories_args
 
 PROMPT = "Once upon a time"
@@ -254,17 +254,8 @@ def test_chat_template_from_a_file_or_a_string(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    from weft.runtime.loaders.default_model import default_model_parts
-
-    try:
-        default_model_parts()
-    except RuntimeError as exc:
-        pytest.skip(f"the embedded default model is not installed: {exc}")
-    srv = ServerProcess("--max-total-tokens", "4096", "--enable-metrics")
-    yield srv
-    srv.assert_kv_intact()
-    assert srv.stop() == 0
+def qwen(qwen_api_server):
+    yield from shared_server(qwen_api_server)
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,14 @@ import re
 
 import pytest
 
-from server_utils import ServerProcess, stories_args
+from conftest import shared_server
 
 PLAIN = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4}}
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir):
-    srv = ServerProcess(*stories_args(stories_dir))
-    yield srv
-    srv.assert_kv_intact()
-    assert srv.stop() == 0
+def server(stories_server):
+    yield from shared_server(stories_server)
 
 
 # (schema, what the message names: the keyword at its pointer, then the reason)

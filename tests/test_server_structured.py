@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_utils import ServerProcess
+from conftest import shared_server
 
 pytestmark = pytest.mark.slow
 
@@ -64,17 +64,8 @@ def chat_prompt(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    from weft.runtime.loaders.default_model import default_model_parts
-
-    try:
-        default_model_parts()
-    except RuntimeError as exc:
-        pytest.skip(f"the embedded default model is not installed: {exc}")
-    srv = ServerProcess("--max-total-tokens", "4096", "--served-model-name", "qwen")
-    yield srv
-    srv.assert_kv_intact()
-    assert srv.stop() == 0
+def qwen(qwen_api_server):
+    yield from shared_server(qwen_api_server)
 
 
 @pytest.fixture(scope="module")

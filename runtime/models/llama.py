@@ -132,7 +132,10 @@ class LlamaForCausalLM(nn.Module):
             if cfg.local_rope_theta is None
             else Rotary(cfg.head_dim, max_pos, cfg.local_rope_theta, cfg.local_rope_scaling)
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # NOTE: no random init (nn.Embedding's normal_ over Qwen's 151936 x 896 table takes
+        # 1-2 s of every load on a small CPU): every weight is loaded, or drawn by init_dummy
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
             self.layer_class(cfg, i, dtype, self.make_mlp(cfg, i, dtype))

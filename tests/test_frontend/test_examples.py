@@ -6,10 +6,9 @@ import importlib
 import subprocess
 import sys
 
-import backends
 import pytest
 
-from conftest import REPO_ROOT, require_default_model
+from conftest import REPO_ROOT, qwen_engine, require_default_model
 
 pytestmark = pytest.mark.slow
 EXAMPLES = REPO_ROOT / "examples"
@@ -17,7 +16,7 @@ EXAMPLES = REPO_ROOT / "examples"
 
 @pytest.fixture
 def qwen():
-    return backends.qwen_engine()
+    return qwen_engine()
 
 
 @pytest.fixture

@@ -3,19 +3,17 @@ against the default Qwen model (slow; it has a chat template)."""
 
 from __future__ import annotations
 
-import backends
 import programs
 import pytest
 
 import weft
 
-from conftest import fixture_path, make_engine
-from server_utils import ServerProcess
+from conftest import fixture_path, make_engine, qwen_engine, shared_server
 
 
 @pytest.fixture
 def qwen():
-    return backends.qwen_engine()
+    return qwen_engine()
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +22,8 @@ def stories_engine():
 
 
 @pytest.fixture(scope="module")
-def stories_server():
-    srv = ServerProcess(
-        "--model-path", str(fixture_path("models", "stories260K-hf")), "--max-total-tokens", "4096"
-    )
-    yield srv
-    srv.assert_kv_intact()
-    assert srv.stop() == 0
+def stories_server(stories_server):
+    yield from shared_server(stories_server)
 
 
 def _cases(checks):
