@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from weft.kernels._checks import FLOAT_DTYPES, check, check_out, check_shape, check_tensor
+from weft.kernels.gemv import gemv_args
 
 FP8 = (torch.float8_e4m3fn,)
 F32 = (torch.float32,)
@@ -211,24 +212,14 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """x [1, K] @ (weight [N, K] e4m3 scaled in groups `group`)^T (+ bias [N]) -> [1, N] in x's
     dtype (fp32 accumulation). Blockwise groups (gk < K) need block_k to divide gk."""
-    dev = x.device
-    check_tensor("x", x, 2, FLOAT_DTYPES, dev)
-    check(x.shape[0] == 1, "x: one row expected, got shape {}", tuple(x.shape))
-    check_tensor("weight", weight, 2, FP8, dev)
+    out, done = gemv_args(x, weight, FP8, bias, out)
     n, k = weight.shape
-    check_shape("x", x, (1, k))
     gn, gk = group
     rowwise = gk >= k
-    check_tensor("scale", scale, 2, F32, dev)
+    check_tensor("scale", scale, 2, F32, x.device)
     check_shape("scale", scale, (-(-n // gn), 1 if rowwise else -(-k // gk)))
-    if bias is not None:
-        check_tensor("bias", bias, 1, (x.dtype,), dev)
-        check_shape("bias", bias, (n,))
-    out = check_out(out, (1, n), x)
-    if n == 0:
+    if done:
         return out
-    if k == 0:
-        return out.copy_(bias.view(1, n)) if bias is not None else out.zero_()
     default_n, default_k, warps, stages = gemv_tiles(n, k, gk)
     block_n, block_k = block_n or default_n, block_k or default_k
     check(rowwise or gk % block_k == 0, "block_k {} must divide the scale group {}", block_k, gk)

@@ -64,6 +64,32 @@ def default_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     return (4 if n >= 16384 else 8), block_k, 8, 3
 
 
+def gemv_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_dtypes: tuple[torch.dtype, ...],
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, bool]:
+    """The checks of a GEMV's x [1, K], weight [N, K], bias [N] and out [1, N] (bf16 weights
+    here, e4m3 in kernels/fp8_matmul.py): (out, whether it is complete already: N or K empty)."""
+    dev = x.device
+    check_tensor("x", x, 2, FLOAT_DTYPES, dev)
+    check(x.shape[0] == 1, "x: one row expected, got shape {}", tuple(x.shape))
+    check_tensor("weight", weight, 2, weight_dtypes, dev)
+    n, k = weight.shape
+    check_shape("x", x, (1, k))
+    if bias is not None:
+        check_tensor("bias", bias, 1, (x.dtype,), dev)
+        check_shape("bias", bias, (n,))
+    out = check_out(out, (1, n), x)
+    if n == 0:
+        return out, True
+    if k == 0:
+        return (out.copy_(bias.view(1, n)) if bias is not None else out.zero_()), True
+    return out, False
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -77,20 +103,10 @@ def gemv(
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T (+ bias [N]) -> [1, N] in x's dtype (fp32 accumulation).
     The tiles and launch default to `default_tiles`."""
-    dev = x.device
-    check_tensor("x", x, 2, FLOAT_DTYPES, dev)
-    check(x.shape[0] == 1, "x: one row expected, got shape {}", tuple(x.shape))
-    check_tensor("weight", weight, 2, (x.dtype,), dev)
+    out, done = gemv_args(x, weight, (x.dtype,), bias, out)
     n, k = weight.shape
-    check_shape("x", x, (1, k))
-    if bias is not None:
-        check_tensor("bias", bias, 1, (x.dtype,), dev)
-        check_shape("bias", bias, (n,))
-    out = check_out(out, (1, n), x)
-    if n == 0:
+    if done:
         return out
-    if k == 0:
-        return out.copy_(bias.view(1, n)) if bias is not None else out.zero_()
     default_n, default_k, default_warps, default_stages = default_tiles(n, k)
     block_n = block_n or default_n
     block_k = block_k or default_k
