@@ -108,6 +108,42 @@ def test_constrained_outputs_match_without_jump_forward(plain, overlap):
     assert all(re.fullmatch(REGEX, o["text"]) for o in got)
 
 
+def test_masks_filled_during_the_read_back_leave_the_outputs_alike(plain, overlap, monkeypatch):
+    """Without drafts, a step's mask fill starts once the read-back's grammars have taken their
+    tokens, before those are output: requests the output then finishes (token limits, stop
+    strings, the grammar's end) are sampled unmasked and dropped. The outputs are the plain
+    schedule's, unconstrained requests beside them included."""
+    early = []
+    start_early = overlap.scheduler._start_early
+
+    def spy(plans):
+        start_early(plans)
+        early.append(overlap.scheduler._early is not None)
+
+    monkeypatch.setattr(overlap.scheduler, "_start_early", spy)
+    limits = [2, 5, 9, 13, 60, 60, 60, 60, 60, 60]
+    params = [
+        {
+            "temperature": 0,
+            "max_new_tokens": n,
+            "regex": REGEX,
+            **({"stop": ['"']} if i % 4 == 3 else {}),
+        }
+        for i, n in enumerate(limits)
+    ] + [{"temperature": 0, "max_new_tokens": n} for n in (3, 40)]
+    prompts = PROMPTS * 2 + PROMPTS[:2]
+    with jump_forward_off(plain, overlap):
+        want = plain.generate(prompts, params)
+        got = overlap.generate(prompts, params)
+    _same(got, want)
+    reasons = [o["meta_info"]["finish_reason"]["type"] for o in got[:10]]
+    assert reasons == ["length"] * 3 + ["stop"] * 7  # (two at '"', five at the grammar's end)
+    ended = [o["text"] for o in got[:10] if o["meta_info"]["finish_reason"].get("matched") == 2]
+    assert len(ended) == 5 and all(re.fullmatch(REGEX, t) for t in ended)
+    assert sum(early) > 20  # the fill did start during read-backs
+    overlap.check_integrity()
+
+
 PROSE = r"[A-Z][a-z]+ was happy\. One day, (he|she) went to the park with (his|her) mom\. The end\."
 DOT = 426  # stories' "." written after a word: the end of the thinking in the tests below
 SHE = 338  # "▁She": with DOT, a two-token marker the model writes too

@@ -66,6 +66,10 @@ def _masked(req: Req) -> bool:
     return thinking.opening and req.grammar is not None
 
 
+def _ending(req: Req) -> bool:
+    return req.finished or (req.grammar is not None and req.grammar.ended)
+
+
 def _forced(req: Req) -> int | None:
     return req.thinking.forced() if req.thinking is not None else None
 
@@ -198,7 +202,9 @@ class Constrained:
 
         A drafting request has a row per draft token after its first: masked as its grammar
         stands after that token (filled in `finish_masks`)."""
-        rows = [i for i, r in enumerate(reqs) if _masked(r)]
+        # (a request the read-back finished, or whose grammar took an end token, is sampled and
+        # dropped unmasked: overlap.read_tokens starts this fill before it emits the tokens)
+        rows = [i for i, r in enumerate(reqs) if _masked(r) and not _ending(r)]
         if not rows:
             return None
         start = time.perf_counter()
@@ -306,6 +312,8 @@ class Constrained:
         them (the other rows are filled)."""
         failed = []
         for i in rows:
+            if reqs[i].finished:
+                continue  # (since the fill began: its token is dropped)
             try:
                 self.grammars.fill([reqs[i].grammar], bitmask, [i])
             except Exception as exc:
@@ -380,7 +388,6 @@ class Constrained:
         """The model's token through the grammar (a refused one ends the request), then the
         grammar's draft of the tokens it forces next. Whitespace in the gap after a thinking's
         end is output without the grammar (weft.runtime.thinking)."""
-        grammar: RequestGrammar = req.grammar
         req.draft = []
         thinking = req.thinking
         if thinking is not None and token >= 0 and thinking.take_gap(token in self.whitespace_ids):
@@ -388,18 +395,34 @@ class Constrained:
             if not req.finished:
                 self._draft(req)
             return
+        if self.accept(req, token):
+            self.emit(req, token, logprob, top)
+
+    def accept(self, req: Req, token: int) -> bool:
+        """The model's token through the grammar, not output yet (`emit` does that). False: the
+        grammar refused it, or its backend failed; the request is finished."""
+        req.draft = []
         try:
-            accepted = token >= 0 and grammar.accept(token)
+            if token >= 0 and req.grammar.accept(token):
+                return True
         except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
             self._failed(req, exc)
-            return
-        if not accepted:
-            self.output.finish(
-                req, FinishReason("abort", message=f"the grammar rejected token {token}")
-            )
-            return
+            return False
+        self.output.finish(
+            req, FinishReason("abort", message=f"the grammar rejected token {token}")
+        )
+        return False
+
+    def emit(
+        self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None
+    ) -> None:
+        """An accepted token into the output; the request stops where its grammar ended, else
+        the grammar drafts the tokens it forces next (where this request drafts: `drafts_for`).
+
+        NOTE: reads no matcher unless it drafts: the read-back emits while the next step's masks
+        are filled (overlap.read_tokens)."""
         self.output.append_token(req, token, logprob, top)
-        if grammar.ended and not req.finished:  # ignore_eos cannot outlast the grammar
+        if req.grammar.ended and not req.finished:  # ignore_eos cannot outlast the grammar
             self.output.finish(req, FinishReason("stop", matched=token))
         if not req.finished:
             self._draft(req)
@@ -407,14 +430,14 @@ class Constrained:
     def _draft(self, req: Req) -> None:
         """The grammar's draft of the tokens it forces next, where this request drafts."""
         req.draft = []
-        if not self._drafts_for(req):
+        if not self.drafts_for(req):
             return
         try:
             req.draft = req.grammar.draft(self._draft_limit(req))
         except Exception as exc:
             self._failed(req, exc)
 
-    def _drafts_for(self, req: Req) -> bool:
+    def drafts_for(self, req: Req) -> bool:
         """Whether jump-forward drafts this request. Not where CUDA graphs replay the decode
         steps, unless enable_jump_forward (a draft's step runs eagerly, for the whole batch:
         slower than the steps it saves, benchmarks/RESULTS.md); not with logprobs asked for (a

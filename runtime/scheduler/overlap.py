@@ -9,6 +9,7 @@ in seq_len, and the next forward takes it from the device (`ForwardBatch.feed_pe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -88,44 +89,81 @@ def mark_pending(step: int, reqs: list[Req]) -> None:
             req.pending = None if req.finished else (step, i)
 
 
-def read_tokens(flight: InFlight, constrained: Constrained) -> list[Req]:
+def read_tokens(
+    flight: InFlight, constrained: Constrained, accepted: Callable[[], None] | None = None
+) -> list[Req]:
     """Read the step's tokens back and append them: a drafting request's kept draft tokens
     first, a constrained request's tokens through its grammar. Returns the requests that got a
-    token or finished, by row (not those aborted or retracted since the launch)."""
+    token or finished, by row (not those aborted or retracted since the launch).
+
+    In two passes: first every token that moves a grammar or a thinking phase, then `accepted()`
+    (the scheduler starts the next step's mask fill there, on the fill's threads), then the
+    output of the rest (detokenizing, stop checks: most of the time, now beside the fill). A
+    request that drafts is done whole in the first pass: its draft reads the matcher."""
     result = flight.read()
-    got = []
-    for i, req in enumerate(flight.reqs):
-        if req.pending != (flight.step, i):
-            continue  # aborted or retracted meanwhile
+    rows = [i for i, req in enumerate(flight.reqs) if req.pending == (flight.step, i)]
+    later: list[tuple[int, bool]] = []  # (row, its token accepted by the grammar: emit it)
+    # NOTE: a token emitted later stays pending until then: seq_len counts it throughout, as the
+    # fill's choice of rows to sample expects
+    for i in rows:  # (the others were aborted or retracted meanwhile)
+        req = flight.reqs[i]
+        if req.grammar is None and req.thinking is None and i not in flight.drafts:
+            later.append((i, False))
+        elif i in flight.drafts or req.thinking is not None or constrained.drafts_for(req):
+            req.pending = None
+            _take(flight, i, result, constrained)
+        elif constrained.accept(req, result.token_ids[i]):
+            later.append((i, True))
+        else:
+            req.pending = None
+            _keep_fed(req, req.kv_len > req.seq_len, result.token_ids[i])  # (see _take)
+    if accepted is not None:
+        accepted()
+    for i, emit in later:
+        req = flight.reqs[i]
         req.pending = None
         logprob = result.logprobs[i] if result.logprobs and req.logprob else None
         top = result.top[i] if result.top else None
-        token = result.token_ids[i]
-        draft = flight.drafts.get(i)
-        if draft is not None:
-            token = constrained.take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
-        if draft is not None and req.finished:
-            pass  # it ended among the draft tokens it kept
-        elif (
-            req.thinking is not None
-            and req.thinking.opening
-            and constrained.open(req, token, logprob, top)
-        ):
-            pass  # a start marker token (else the answer begins with it: appended below)
-        elif req.thinking is not None and req.thinking.free:
-            # NOTE: the marker's last token switches the phase here, before the next step's
-            # masks are filled (`Scheduler._run` reads back before it launches the sampling)
-            constrained.think(req, token, logprob, top)
-        elif req.grammar is None:
-            constrained.output.append_token(req, token, logprob, top)
+        if emit:
+            constrained.emit(req, result.token_ids[i], logprob, top)
         else:
-            # NOTE: the step launched just before this read-back may have fed the token to the
-            # model already (its KV is being written)
-            fed = req.kv_len > req.seq_len  # (pending is cleared: seq_len counts no token)
-            constrained.append(req, token, logprob, top)
-            if fed and req.finished and req.kv_len > req.seq_len:
-                # NOTE: ended without its token (rejected, or the backend failed), which has KV
-                # already: keep it, so that release() caches as many tokens as slots
-                req.output_ids.append(token)
-        got.append(req)
-    return got
+            constrained.output.append_token(req, result.token_ids[i], logprob, top)
+    return [flight.reqs[i] for i in rows]
+
+
+def _take(flight: InFlight, i: int, result: Sampled, constrained: Constrained) -> None:
+    """Row i's token (and its kept draft tokens), through its grammar or thinking phase."""
+    req = flight.reqs[i]
+    logprob = result.logprobs[i] if result.logprobs and req.logprob else None
+    top = result.top[i] if result.top else None
+    token = result.token_ids[i]
+    draft = flight.drafts.get(i)
+    if draft is not None:
+        token = constrained.take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
+    if draft is not None and req.finished:
+        pass  # it ended among the draft tokens it kept
+    elif (
+        req.thinking is not None
+        and req.thinking.opening
+        and constrained.open(req, token, logprob, top)
+    ):
+        pass  # a start marker token (else the answer begins with it: appended below)
+    elif req.thinking is not None and req.thinking.free:
+        # NOTE: the marker's last token switches the phase here, before the next step's
+        # masks are filled (`Scheduler._run` reads back before it launches the sampling)
+        constrained.think(req, token, logprob, top)
+    elif req.grammar is None:
+        constrained.output.append_token(req, token, logprob, top)
+    else:
+        # NOTE: the step launched just before this read-back may have fed the token to the
+        # model already (its KV is being written)
+        fed = req.kv_len > req.seq_len  # (pending is cleared: seq_len counts no token)
+        constrained.append(req, token, logprob, top)
+        _keep_fed(req, fed, token)
+
+
+def _keep_fed(req: Req, fed: bool, token: int) -> None:
+    if fed and req.finished and req.kv_len > req.seq_len:
+        # NOTE: ended without its token (rejected, or the backend failed), which has KV
+        # already: keep it, so that release() caches as many tokens as slots
+        req.output_ids.append(token)

@@ -94,6 +94,8 @@ class Scheduler:
         self._updates: list[Req] = []  # got a token or finished since the last step returned
         self._inflight: InFlight | None = None
         self._sampling: Sampling | None = None  # launched once the next step is laid out
+        # the step's sampling rows, requests and masks, started during the read-back (_resolve)
+        self._early: tuple[list[int], list[Req], MaskJob] | None = None
         self.num_retractions = 0
         self.num_steps = 0
         self.num_tokens_computed = 0  # tokens through the model (prefill + decode)
@@ -201,7 +203,7 @@ class Scheduler:
         self.num_tokens_computed += batch.num_tokens
         if prev is not None:
             self.num_overlapped_steps += 1
-            self._resolve()
+            self._resolve(plans)
         self._launch(hidden, plans)
         if not self.overlap:
             self._resolve()
@@ -218,38 +220,28 @@ class Scheduler:
                 self._end([req], FinishReason("length"))  # max_new_tokens == 0
             elif plan.num_tokens > 1 and not plan.draft and not req.finished:
                 self.memory.cache_progress(req)  # others may share this prefill from now on
-        # NOTE: a row is sampled only if its request is still live and fully computed: under the
-        # overlap schedule it may have finished, or grown by jump-forward text, since this step
-        # was built.
-        sampling = [
-            p
-            for p in plans
-            if p.sample_row is not None
-            and not p.req.finished
-            and p.req.kv_len == p.req.seq_len + len(p.draft)
-        ]
-        if not sampling:
+        early, self._early = self._early, None
+        if early is not None:  # (its requests the read-back finished are sampled and dropped)
+            rows, reqs, masks = early
+            drafts: dict[Req, list[int]] = {}
+        else:
+            rows, reqs, drafts = self._sampling_rows(plans)
+        if not reqs:
             return
-        rows: list[int] = []
-        reqs: list[Req] = []
-        for p in sampling:  # a drafting request samples after each draft token too
-            assert p.sample_row is not None
-            rows += range(p.sample_row, p.sample_row + 1 + len(p.draft))
-            reqs += [p.req] * (1 + len(p.draft))
-        drafts = {p.req: p.draft for p in sampling if p.draft}
         if rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
         self.profile.mark("host")
         logits = self.runner.logits(hidden)
         self.profile.mark("logits")
-        start = time.perf_counter()
         # NOTE: the masks are filled while the device computes the forward and the logits
         # (launched, not awaited), and under the overlap schedule while the host lays out the
         # next step too: this step samples right before that one's forward. Not with drafts:
         # which draft tokens the model takes decides what the next step feeds.
         defer = self.overlap and not drafts
-        masks = self.constrained.start_masks(reqs, drafts, wait=not defer)
-        self.profile.host("fill_s", start)
+        if early is None:
+            start = time.perf_counter()
+            masks = self.constrained.start_masks(reqs, drafts, wait=not defer)
+            self.profile.host("fill_s", start)
         self.profile.count("rows", len(reqs))
         self.profile.count("masked_rows", len(masks.rows) if masks is not None else 0)
         self._sampling = Sampling(self.num_steps, logits, reqs, drafts, masks)
@@ -257,6 +249,43 @@ class Scheduler:
             mark_pending(self.num_steps, reqs)  # (the next step reads them from the device)
         else:
             self._end(self._sample())
+
+    @staticmethod
+    def _sampling_rows(
+        plans: list[RowPlan],
+    ) -> tuple[list[int], list[Req], dict[Req, list[int]]]:
+        """The rows of the step's hidden states to sample, their requests (a drafting request
+        samples after each draft token too) and the drafts.
+
+        NOTE: a row is sampled only if its request is still live and fully computed: under the
+        overlap schedule it may have finished, or grown by jump-forward text, since this step
+        was built."""
+        rows: list[int] = []
+        reqs: list[Req] = []
+        drafts: dict[Req, list[int]] = {}
+        for p in plans:
+            req = p.req
+            if p.sample_row is None or req.finished or req.kv_len != req.seq_len + len(p.draft):
+                continue
+            rows += range(p.sample_row, p.sample_row + 1 + len(p.draft))
+            reqs += [req] * (1 + len(p.draft))
+            if p.draft:
+                drafts[req] = p.draft
+        return rows, reqs, drafts
+
+    def _start_early(self, plans: list[RowPlan]) -> None:
+        """The read-back's grammars have taken their tokens: start the step's mask fill now,
+        before the tokens are emitted (overlap schedule, no drafts in the step). Which rows
+        are sampled is settled here: the read-back only finishes requests (it grows none), and a
+        finished one's row is sampled and dropped."""
+        rows, reqs, drafts = self._sampling_rows(plans)
+        if not self.overlap or not reqs or drafts:
+            return
+        start = time.perf_counter()
+        masks = self.constrained.start_masks(reqs, {}, wait=False)
+        self.profile.host("fill_s", start)
+        if masks is not None:  # (else _launch picks the rows once the read-back is done)
+            self._early = (rows, reqs, masks)
 
     def _sample(self) -> list[Req]:
         """Launch the sampling whose masks were being filled. Returns the requests whose grammar
@@ -285,9 +314,10 @@ class Scheduler:
             positions = plan.prompt_positions[lo : lo + PROMPT_LOGITS_CHUNK]
             self.output.record_prompt_logprobs(plan.req, logprobs, positions)
 
-    def _resolve(self) -> None:
+    def _resolve(self, plans: list[RowPlan] | None = None) -> None:
         """Read back the in-flight step's tokens (launching its sampling first, if its masks
-        were still being filled): report who got one, end who finished."""
+        were still being filled): report who got one, end who finished. plans: the step just
+        launched, whose mask fill may start once the grammars have their tokens."""
         self._end(self._sample())
         flight, self._inflight = self._inflight, None
         if flight is None:
@@ -297,7 +327,8 @@ class Scheduler:
         self.profile.host("readback_s", start)
         self.profile.mark("readback")
         start = time.perf_counter()
-        got = read_tokens(flight, self.constrained)
+        early = (lambda: self._start_early(plans)) if plans is not None else None
+        got = read_tokens(flight, self.constrained, early)
         self.profile.host("accept_s", start)
         self.profile.mark("accept")
         for req in got:
