@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from common import describe_device
 
@@ -305,6 +306,65 @@ def bench_fp8(dev: torch.device, g: torch.Generator) -> list[Row]:
     return rows
 
 
+def bench_fp8_rows(dev: torch.device, g: torch.Generator) -> list[Row]:
+    """The channel form's matmul at decode batches (16-128 rows), by the ways it can run: the
+    rowwise torch._scaled_mm as FP8Weight calls it (x @ w^T), the same swapped (w @ x^T, the
+    rows padded to 16: cuBLAS then tiles the layer's outputs, not the few rows), and the Triton
+    scaled matmul at a few tile widths. Each includes quantizing x; torch column: bf16 linear."""
+    from weft.kernels.fp8_matmul import fp8_matmul
+    from weft.kernels.fp8_quant import quantize_rows_fp8
+    from weft.runtime.models.fp8 import quantize_weight
+
+    def swapped(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        pad = -m % 16
+        xq, xs = quantize_rows_fp8(F.pad(x, (0, 0, 0, pad)) if pad else x, None)
+        out = torch._scaled_mm(
+            q, xq.t(), scale_a=s.view(-1, 1), scale_b=xs.view(1, -1), out_dtype=torch.bfloat16
+        )
+        return out[:, :m].t().contiguous()
+
+    def direct(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_rows_fp8(x, None)
+        return torch._scaled_mm(
+            xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.bfloat16
+        )
+
+    def tiled(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
+        xq, xs = quantize_rows_fp8(x, None)
+        group = (1, x.shape[1])
+        return fp8_matmul(xq, xs, q, s, group, block_m=bm, block_n=bn)
+
+    rows = []
+    for n, k in LINEARS:
+        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
+        q, scale = quantize_weight(w, None)
+        shape = f"N={n} K={k}"
+        for m in (16, 32, 64, 128):
+            x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+            moved = n * k + n * 4 + 2 * m * (k + n)
+            ref = bench_graph(lambda w=w, x=x: F.linear(x, w))
+            kw: dict[str, Any] = {"flops": 2 * m * n * k, "torch_ms": ref}
+            want = direct(q, scale, x).float()
+            cases: list[tuple[str, Callable[[], torch.Tensor]]] = [
+                ("scaled_mm", lambda q=q, s=scale, x=x: direct(q, s, x)),
+                ("scaled_mm swapped", lambda q=q, s=scale, x=x: swapped(q, s, x)),
+            ]
+            for bn in (32, 64, 128):
+                bm = min(max(16, m), 64)
+                cases.append(
+                    (
+                        f"triton {bm}x{bn}",
+                        lambda q=q, s=scale, x=x, bm=bm, bn=bn: tiled(q, s, x, bm, bn),
+                    )
+                )
+            for name, fn in cases:
+                err = (fn().float() - want).abs().max().item()
+                assert err <= 0.02 * want.abs().max().item() + 1e-3, (name, shape, m, err)
+                rows.append(timed(f"fp8 {name} M={m}", shape, fn, moved, **kw))
+    return rows
+
+
 SAMPLE_VOCABS = (128256, 151936)  # Llama-3, Qwen2
 
 
@@ -403,6 +463,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the attention kernels' tile settings")
     p.add_argument("--sampling", action="store_true", help="time the masked_sample rows only")
     p.add_argument("--fp8", action="store_true", help="time the FP8 weight rows only")
+    p.add_argument(
+        "--fp8-rows", action="store_true", help="time the FP8 matmul's ways at 16-128 rows only"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit(
@@ -423,6 +486,8 @@ def main() -> None:
         rows = bench_sampling(dev, g)
     elif args.fp8:
         rows = bench_fp8(dev, g)
+    elif args.fp8_rows:
+        rows = bench_fp8_rows(dev, g)
     else:
         rows = bench_attention(dtype, dev, g) + bench_elementwise(dtype, dev, g)
         rows += bench_sampling(dev, g) + bench_fp8(dev, g)
