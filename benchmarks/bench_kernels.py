@@ -310,8 +310,9 @@ def bench_fp8_rows(dev: torch.device, g: torch.Generator) -> list[Row]:
     """The channel form's matmul at decode batches (16-128 rows), by the ways it can run: the
     rowwise torch._scaled_mm as FP8Weight calls it (x @ w^T), the same swapped (w @ x^T, the
     rows padded to 16: cuBLAS then tiles the layer's outputs, not the few rows), and the Triton
-    scaled matmul at a few tile widths. Each includes quantizing x; torch column: bf16 linear."""
-    from weft.kernels.fp8_matmul import fp8_matmul
+    scaled matmul at a few tile widths (each including the quantization of x), and the
+    weight-only split-K matmul FP8Weight takes up to FP8_ROWS_MAX_ROWS. torch column: bf16."""
+    from weft.kernels.fp8_matmul import fp8_matmul, fp8_rows_matmul
     from weft.kernels.fp8_quant import quantize_rows_fp8
     from weft.runtime.models.fp8 import quantize_weight
 
@@ -350,6 +351,9 @@ def bench_fp8_rows(dev: torch.device, g: torch.Generator) -> list[Row]:
                 ("scaled_mm", lambda q=q, s=scale, x=x: direct(q, s, x)),
                 ("scaled_mm swapped", lambda q=q, s=scale, x=x: swapped(q, s, x)),
             ]
+            cases.append(
+                ("rows split-K", lambda q=q, s=scale, x=x, k=k: fp8_rows_matmul(x, q, s, (1, k)))
+            )
             for bn in (32, 64, 128):
                 bm = min(max(16, m), 64)
                 cases.append(

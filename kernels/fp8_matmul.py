@@ -9,6 +9,12 @@ program walks K in steps of BLOCK_K with e4m3 tensor-core dots into an fp32 accu
 Rowwise (gk >= K): both scales are applied once, at the end. Blockwise: BLOCK_K == gk, and each
 step's partial product is scaled by sx[:, step] x sw[n // gn, step] before it is added.
 
+fp8_rows_matmul: out [M, N] = x [M, K] (bf16 / fp16) @ (w * sw)^T for decode batches (a few to
+64 rows): the weight widened to x's dtype in registers (no activation quantization), tensor-core
+dots, and K split across programs so that a layer of few output tiles still fills the GPU (at
+M = 64 a 4096-wide layer is 64 tiles of 64 columns on 132 SMs). Each split writes an fp32
+partial; a second kernel sums them in a fixed order (deterministic, unlike atomics).
+
 fp8_gemv: out [1, N] = x [1, K] (bf16) @ (w * sw)^T, the weight widened to fp32 in registers.
 Grid (ceil(N/BLOCK_N),), laid out as kernels/gemv.py: a band of BLOCK_N rows, an fp32
 [BLOCK_N, BLOCK_K] accumulator reduced once at the end.
@@ -16,10 +22,13 @@ Grid (ceil(N/BLOCK_N),), laid out as kernels/gemv.py: a band of BLOCK_N rows, an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from weft.kernels._attn import dot
 from weft.kernels._checks import FLOAT_DTYPES, check, check_out, check_shape, check_tensor
 from weft.kernels.gemv import gemv_args
 
@@ -145,6 +154,152 @@ def fp8_matmul(
         num_warps=warps,
         num_stages=stages,
     )
+    return out
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    x,  # [M, K] bf16 / fp16
+    w,  # [N, K] e4m3
+    scale,  # [ceil(N / GROUP_N), ceil(K / GROUP_K)]
+    out,  # [SPLIT, M, N] fp32 partials, or [M, N] when SPLIT == 1
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_s,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,  # a multiple of BLOCK_K (blockwise) or >= K (ROWWISE)
+    ROWWISE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,  # see _attn.dot
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_lo = tl.program_id(2) * K_PER_SPLIT
+    m_mask, n_mask = offs_m < M, offs_n < N
+    x_rows = x + offs_m[:, None].to(tl.int64) * stride_x
+    w_rows = w + offs_n[:, None].to(tl.int64) * stride_w
+    s_rows = scale + (offs_n // GROUP_N) * stride_s
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_step in range(0, K_PER_SPLIT, BLOCK_K):
+        offs_k = k_lo + k_step + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        part = dot(xt, tl.trans(wt.to(xt.dtype)), UPCAST, "tf32")
+        if ROWWISE:
+            acc += part
+        else:
+            s = tl.load(s_rows + (k_lo + k_step) // GROUP_K, mask=n_mask, other=0.0)
+            acc += part * s[None, :]
+    if ROWWISE:
+        acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[None, :]
+    mn = offs_m[:, None] * N + offs_n[None, :]
+    dst = out + tl.program_id(2).to(tl.int64) * M * N + mn
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part, out, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(SPLIT):
+        acc += tl.load(part + i * MN + offs, mask=mask, other=0.0)
+    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+ROWS_BLOCK_N = 64
+ROWS_BLOCK_K = 128  # the scale block: a blockwise weight's K tiles never straddle two
+ROWS_MIN_STEPS = 4  # K tiles per split at least (fewer: the partials cost more than they save)
+ROWS_WAVES = 4  # programs per SM aimed at: enough loads in flight to stream the weight
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # (the interpreter: a few splits, to test them)
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def rows_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(block_m, splits, k per split) for M rows: the splits of K that bring the programs to
+    ROWS_WAVES per SM, each at least ROWS_MIN_STEPS tiles of K. NOTE: from one sweep on an
+    H100 (benchmarks/bench_kernels.py --fp8-rows); not tuned per layer."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, ROWS_BLOCK_N)
+    steps = triton.cdiv(k, ROWS_BLOCK_K)
+    split = max(1, min(steps // ROWS_MIN_STEPS, triton.cdiv(ROWS_WAVES * sms, tiles)))
+    per_split = triton.cdiv(steps, split)
+    return block_m, triton.cdiv(steps, per_split), per_split * ROWS_BLOCK_K
+
+
+def fp8_rows_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    group: tuple[int, int],
+    *,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16) @ (weight [N, K] e4m3 scaled in groups `group`)^T -> [M, N] in
+    x's dtype, fp32 accumulation. Blockwise groups (gk < K) must be multiples of 128 columns.
+    splits: of K (default: rows_tiles' choice)."""
+    dev = x.device
+    check_tensor("x", x, 2, (torch.bfloat16, torch.float16), dev)
+    check(x.stride(-1) == 1, "x: rows must be contiguous, got strides {}", x.stride())
+    check_tensor("weight", weight, 2, FP8, dev)
+    check(weight.stride(-1) == 1, "weight: rows must be contiguous, got {}", weight.stride())
+    m, k = x.shape
+    n = weight.shape[0]
+    check_shape("weight", weight, (n, k))
+    gn, gk = group
+    rowwise = gk >= k
+    check(rowwise or gk % ROWS_BLOCK_K == 0, "blockwise scales: multiples of 128, got {}", gk)
+    check_tensor("scale", scale, 2, F32, dev)
+    check_shape("scale", scale, (-(-n // gn), 1 if rowwise else -(-k // gk)))
+    out = torch.empty((m, n), dtype=x.dtype, device=dev)
+    if m == 0 or n == 0:
+        return out
+    block_m, split, per_split = rows_tiles(m, n, k, _num_sms(dev))
+    if splits is not None:
+        steps = triton.cdiv(k, ROWS_BLOCK_K)
+        per_split = triton.cdiv(steps, splits) * ROWS_BLOCK_K
+        split = triton.cdiv(k, per_split)
+    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=dev)
+    grid = (triton.cdiv(n, ROWS_BLOCK_N), triton.cdiv(m, block_m), split)
+    _fp8_rows_kernel[grid](
+        x,
+        weight,
+        scale,
+        part,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        per_split,
+        GROUP_N=gn,
+        GROUP_K=gk,
+        ROWWISE=rowwise,
+        SPLIT=split,
+        UPCAST=dev.type == "cpu",
+        BLOCK_M=block_m,
+        BLOCK_N=ROWS_BLOCK_N,
+        BLOCK_K=ROWS_BLOCK_K,
+        num_warps=4,
+        num_stages=4,
+    )
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT=split, BLOCK=block)
     return out
 
 

@@ -21,8 +21,10 @@ How a step of M rows multiplies (`FP8Weight.path` picks once, at construction):
     dequant    anywhere else                   none: the weight is dequantized to the activation
                                                dtype on every call, then F.linear (slow, correct)
 
-and one-row steps on CUDA with Triton go through the weight-only GEMV (bf16 activations x e4m3
-weights widened in registers) whatever the path, unless FP8_GEMV_ONE_ROW is off.
+and on CUDA with Triton, whatever the path: one-row steps go through the weight-only GEMV (bf16
+activations x e4m3 weights widened in registers) unless FP8_GEMV_ONE_ROW is off, and steps of 2
+to FP8_ROWS_MAX_ROWS rows (decode batches, bf16 / fp16 activations) through the weight-only
+split-K matmul (kernels/fp8_matmul.py): no activation quantization.
 
 NOTE: torch 2.13's CPU _scaled_mm refuses block scales (F.scaled_mm with BlockWise1x128 /
 BlockWise128x128 raises "Invalid scaling configuration": TensorWise and RowWise only). Newer
@@ -52,6 +54,10 @@ BLOCK = 128  # the activation group along K of the block form (the weights' bloc
 # weights once; True is a guess: measure `bench_kernels.py --fp8` (fp8 gemv vs scaled_mm M=1)
 # and bench_one_batch --quantization fp8 --batch-sizes 1 with it on and off, on the GPU
 FP8_GEMV_ONE_ROW = True
+# Decode batches up to this many rows take the weight-only split-K matmul (fp8_rows_matmul): at
+# 64 rows torch._scaled_mm reads a 4096-wide layer at a quarter of the copy bandwidth, the
+# activations' quantization kernel included (benchmarks/bench_kernels.py --fp8-rows).
+FP8_ROWS_MAX_ROWS = 64
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -171,6 +177,8 @@ class FP8Weight(nn.Module):
         self.triton = _triton_support(qweight.device) is None
         gk = self.group[1]
         self.gemv = self.triton and (gk == k or (gk >= 16 and gk & (gk - 1) == 0))
+        self.rows = self.triton and dtype in (torch.bfloat16, torch.float16)
+        self.rows = self.rows and (gk == k or gk % 128 == 0)
 
     def _choose_path(self, device: torch.device) -> tuple[str, str]:
         """(path, the reason for it): see the module's table."""
@@ -210,6 +218,11 @@ class FP8Weight(nn.Module):
             from weft.kernels.fp8_matmul import fp8_gemv  # NOTE: here: Triton may be missing
 
             return fp8_gemv(x.contiguous(), self.qweight, self.scale, self.group, bias)
+        if self.rows and 1 < x.shape[0] <= FP8_ROWS_MAX_ROWS:
+            from weft.kernels.fp8_matmul import fp8_rows_matmul
+
+            out = fp8_rows_matmul(x.contiguous(), self.qweight, self.scale, self.group)
+            return out if bias is None else out + bias
         return self.matmul_path(x, bias)
 
     def matmul_path(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weft.kernels.fp8_matmul import fp8_gemv, fp8_gemv_ref, fp8_matmul, fp8_matmul_ref
+from weft.kernels.fp8_matmul import (
+    fp8_gemv,
+    fp8_gemv_ref,
+    fp8_matmul,
+    fp8_matmul_ref,
+    fp8_rows_matmul,
+    rows_tiles,
+)
 from weft.kernels.fp8_quant import quantize_rows_fp8
 from weft.runtime.models.fp8 import quantize_rows, quantize_weight
 
@@ -77,6 +84,36 @@ def test_fp8_gemv_default_tiles(request):
     assert rel_err(fp8_gemv(x, w, scale, group), fp8_gemv_ref(x, w, scale, group)) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "splits"),
+    [
+        (5, 40, 64, None, None),  # rowwise, ragged M and N, one split
+        (3, 144, 256, BLOCK, 2),  # blockwise, a partial block of rows, a scale block per split
+        (17, 96, 640, None, 3),  # five K tiles in splits of two: the last split half past K
+        (9, 64, 200, BLOCK, 2),  # blockwise, a partial K tile
+        (33, 72, 512, BLOCK, None),  # past one 32-row tile; the default splits
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_rows_matmul(request, m, n, k, block, splits, dtype):
+    """The weight-only matmul reads x as it is: against the float64 product of the same x and
+    the dequantized weight, only the fp32 summation order and the output rounding differ."""
+    w, scale, group, g = _weight(request.node.nodeid, SMALL_DEVICE, n, k, block, row_stride_pad=16)
+    x = randn((m, k), dtype, SMALL_DEVICE, g)
+    got = fp8_rows_matmul(x, w, scale, group, splits=splits)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert rel_err(got, fp8_gemv_ref(x, w, scale, group)) < REL_TOL[dtype]
+
+
+def test_rows_tiles_split_k_to_fill_the_gpu():
+    # Llama-3-8B's down projection at 64 rows on 132 SMs: 64 tiles of 64 columns, 4 x 132 / 64
+    # -> 9 splits of K's 112 tiles of 128, 13 each (the last 8); gate_up (448 tiles): two
+    assert rows_tiles(64, 4096, 14336, 132) == (64, 9, 13 * 128)
+    assert rows_tiles(64, 28672, 4096, 132) == (64, 2, 16 * 128)
+    assert rows_tiles(8, 4096, 4096, 132) == (16, 8, 4 * 128)  # at most ROWS_MIN_STEPS apart
+    assert rows_tiles(64, 4096, 256, 132) == (64, 1, 256)  # too short to split
+
+
 def test_fp8_checks():
     w, scale = quantize_weight(torch.ones(16, 256, device=SMALL_DEVICE), BLOCK)
     x = torch.ones(2, 256, device=SMALL_DEVICE)
@@ -91,6 +128,10 @@ def test_fp8_checks():
         fp8_gemv(x, w, scale, BLOCK)
     with pytest.raises(ValueError, match="must divide the scale group"):
         fp8_gemv(x[:1], w, scale, BLOCK, block_k=256)
+    with pytest.raises(ValueError, match="x: dtype"):
+        fp8_rows_matmul(x, w, scale, BLOCK)  # float32 activations
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_rows_matmul(x.bfloat16(), w, scale, (128, 64))
 
 
 @pytest.mark.cuda
@@ -105,6 +146,9 @@ def test_fp8_real_shapes_cuda(request, n, k, block):
     xq, x_scale = quantize_rows(xs, None if block is None else 128)
     got = fp8_matmul(xq, x_scale, w, scale, group)
     assert rel_err(got, fp8_matmul_ref(xq, x_scale, w, scale, group)) < 1e-2
+    for m in (2, 16, 64):
+        got = fp8_rows_matmul(xs[:m], w, scale, group)
+        assert rel_err(got, fp8_gemv_ref(xs[:m], w, scale, group)) < 1e-2
 
 
 # -- the activation quantization kernel ----------------------------------------------------------
