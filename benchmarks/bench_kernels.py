@@ -346,7 +346,7 @@ def bench_fp8_rows(dev: torch.device, g: torch.Generator) -> list[Row]:
             moved = n * k + n * 4 + 2 * m * (k + n)
             ref = bench_graph(lambda w=w, x=x: F.linear(x, w))
             kw: dict[str, Any] = {"flops": 2 * m * n * k, "torch_ms": ref}
-            want = direct(q, scale, x).float()
+            want = F.linear(x.float(), q.float() * scale)  # (the weight dequantized)
             cases: list[tuple[str, Callable[[], torch.Tensor]]] = [
                 ("scaled_mm", lambda q=q, s=scale, x=x: direct(q, s, x)),
                 ("scaled_mm swapped", lambda q=q, s=scale, x=x: swapped(q, s, x)),
@@ -363,8 +363,10 @@ def bench_fp8_rows(dev: torch.device, g: torch.Generator) -> list[Row]:
                     )
                 )
             for name, fn in cases:
+                # (x in e4m3 costs the quantized ways a few percent; the split-K way reads it
+                # as it is)
                 err = (fn().float() - want).abs().max().item()
-                assert err <= 0.02 * want.abs().max().item() + 1e-3, (name, shape, m, err)
+                assert err <= 0.05 * want.abs().max().item(), (name, shape, m, err)
                 rows.append(timed(f"fp8 {name} M={m}", shape, fn, moved, **kw))
     return rows
 

@@ -529,11 +529,23 @@ def test_cuda_graph_captures_an_fp8_linear(block, rows):
     assert _rel(out, eager) > 0.1
 
 
+def _worst_gap(folder: Path, greedy: list[int], **kwargs) -> float:
+    """Teacher-forced along the greedy tokens of another engine: the largest gap, in nats,
+    between this model's best token and the one taken (0 where they agree)."""
+    engine = make_engine(folder, max_total_tokens=1024, **kwargs)
+    lp = _prompt_logprobs(engine, PROMPT[:9] + greedy)  # row r: the token at r + 1
+    engine.shutdown()
+    return max(float(lp[8 + i].max() - lp[8 + i][t]) for i, t in enumerate(greedy))
+
+
 @cuda
 def test_engine_on_cuda(wide, checkpoint):
-    """The whole engine on CUDA (decode from CUDA graphs): quantization fp8 (scaled_mm, the
-    GEMV at batch 1) vs bf16, and the published block form (the Triton matmul) as loaded by
-    auto vs its dequantized twin. Tolerances: the CPU's bounds (unmeasured on a GPU)."""
+    """The whole engine on CUDA (decode from CUDA graphs): quantization fp8 (scaled_mm; the
+    GEMV at batch 1, the split-K matmul on the 9-token prefill) vs bf16, and the published block
+    form (the Triton matmul) as loaded by auto vs its dequantized twin. Tolerances: the CPU's
+    bounds (unmeasured on a GPU). Each greedy token of the FP8 model must be the reference's, or
+    within those bounds of its best: this random model's near-ties flip under any rounding
+    (measured on an H100: the fourth token, at a gap the check below prints)."""
     sm89 = torch.cuda.get_device_capability() >= (8, 9)
     lp_ref, greedy_ref, _ = _run(wide, device="cuda", dtype="bfloat16")
     lp, greedy, fp8 = _run(wide, device="cuda", dtype="bfloat16", quantization="fp8")
@@ -541,8 +553,10 @@ def test_engine_on_cuda(wide, checkpoint):
     if sm89:
         assert {(w.path, w.gemv) for w in fp8} == {("scaled_mm", True)}
     diff = (lp - lp_ref).abs()
+    gap = _worst_gap(wide, greedy, device="cuda", dtype="bfloat16")
     print(f"cuda fp8 vs bf16: max {float(diff.max()):.4f}, greedy {greedy} vs {greedy_ref}")
-    assert float(diff.max()) < 0.15 and greedy[:4] == greedy_ref[:4]
+    print(f"worst gap of the fp8 greedy tokens under bf16: {gap:.4f}")
+    assert float(diff.max()) < 0.15 and greedy[0] == greedy_ref[0] and gap < 0.15
     folder, _ = checkpoint("block")
     lp_ref, greedy_ref, _ = _run(folder / "ref", device="cuda")
     lp, greedy, fp8 = _run(folder, device="cuda")
@@ -550,5 +564,6 @@ def test_engine_on_cuda(wide, checkpoint):
     if sm89:
         assert {(w.path, w.gemv) for w in fp8} == {("triton", True)}
     diff = (lp - lp_ref).abs()
-    print(f"cuda block checkpoint vs dequantized: max {float(diff.max()):.4f}")
-    assert float(diff.max()) < 0.15 and greedy[:4] == greedy_ref[:4]
+    gap = _worst_gap(folder / "ref", greedy, device="cuda")
+    print(f"cuda block checkpoint vs dequantized: max {float(diff.max()):.4f}, gap {gap:.4f}")
+    assert float(diff.max()) < 0.15 and greedy[0] == greedy_ref[0] and gap < 0.15

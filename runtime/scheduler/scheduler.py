@@ -221,6 +221,7 @@ class Scheduler:
             elif plan.num_tokens > 1 and not plan.draft and not req.finished:
                 self.memory.cache_progress(req)  # others may share this prefill from now on
         early, self._early = self._early, None
+        masks: MaskJob | None
         if early is not None:  # (its requests the read-back finished are sampled and dropped)
             rows, reqs, masks = early
             drafts: dict[Req, list[int]] = {}
