@@ -351,9 +351,15 @@ def bench_fp8_rows(dev: torch.device, g: torch.Generator) -> list[Row]:
                 ("scaled_mm", lambda q=q, s=scale, x=x: direct(q, s, x)),
                 ("scaled_mm swapped", lambda q=q, s=scale, x=x: swapped(q, s, x)),
             ]
-            cases.append(
-                ("rows split-K", lambda q=q, s=scale, x=x, k=k: fp8_rows_matmul(x, q, s, (1, k)))
-            )
+            for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+                cases.append(
+                    (
+                        f"rows split-K {bn}/{warps}w",
+                        lambda q=q, s=scale, x=x, k=k, bn=bn, w=warps: fp8_rows_matmul(
+                            x, q, s, (1, k), block_n=bn, num_warps=w
+                        ),
+                    )
+                )
             for bn in (32, 64, 128):
                 bm = min(max(16, m), 64)
                 cases.append(

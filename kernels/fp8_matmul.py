@@ -228,12 +228,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def rows_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
+def rows_tiles(
+    m: int, n: int, k: int, sms: int, block_n: int = ROWS_BLOCK_N
+) -> tuple[int, int, int]:
     """(block_m, splits, k per split) for M rows: the splits of K that bring the programs to
     ROWS_WAVES per SM, each at least ROWS_MIN_STEPS tiles of K. NOTE: from one sweep on an
     H100 (benchmarks/bench_kernels.py --fp8-rows); not tuned per layer."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, ROWS_BLOCK_N)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, ROWS_BLOCK_K)
     split = max(1, min(steps // ROWS_MIN_STEPS, triton.cdiv(ROWS_WAVES * sms, tiles)))
     per_split = triton.cdiv(steps, split)
@@ -247,10 +249,16 @@ def fp8_rows_matmul(
     group: tuple[int, int],
     *,
     splits: int | None = None,
+    block_n: int = ROWS_BLOCK_N,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16) @ (weight [N, K] e4m3 scaled in groups `group`)^T -> [M, N] in
     x's dtype, fp32 accumulation. Blockwise groups (gk < K) must be multiples of 128 columns.
-    splits: of K (default: rows_tiles' choice)."""
+    splits: of K (default: rows_tiles' choice for block_n); block_n, num_warps: for sweeps.
+
+    NOTE: every program of a column band reads its rows of x again (from L2): N / block_n times
+    M x K x 2 bytes in all, as much as the weight itself at M = 64, block_n = 64, so wider bands
+    suit more rows."""
     dev = x.device
     check_tensor("x", x, 2, (torch.bfloat16, torch.float16), dev)
     check(x.stride(-1) == 1, "x: rows must be contiguous, got strides {}", x.stride())
@@ -267,13 +275,13 @@ def fp8_rows_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=dev)
     if m == 0 or n == 0:
         return out
-    block_m, split, per_split = rows_tiles(m, n, k, _num_sms(dev))
+    block_m, split, per_split = rows_tiles(m, n, k, _num_sms(dev), block_n)
     if splits is not None:
         steps = triton.cdiv(k, ROWS_BLOCK_K)
         per_split = triton.cdiv(steps, splits) * ROWS_BLOCK_K
         split = triton.cdiv(k, per_split)
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=dev)
-    grid = (triton.cdiv(n, ROWS_BLOCK_N), triton.cdiv(m, block_m), split)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
     _fp8_rows_kernel[grid](
         x,
         weight,
@@ -292,9 +300,9 @@ def fp8_rows_matmul(
         SPLIT=split,
         UPCAST=dev.type == "cpu",
         BLOCK_M=block_m,
-        BLOCK_N=ROWS_BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_K=ROWS_BLOCK_K,
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=4,
     )
     if split > 1:
