@@ -3,6 +3,12 @@
     python benchmarks/profile_decode.py --model-path benchmarks/configs/llama-3.1-8b \\
         --load-format dummy --batch 1 --steps 16
 
+The default model on a CPU (batch 1, its GGUF weights kept quantized), with the forward split into
+its matmuls and the rest (--split: the forward timed again with every linear layer's matmul
+replaced by a zeros tensor of its output's shape):
+
+    python benchmarks/profile_decode.py --threads 2 --input-len 32 --split
+
 With --prefill-len N, the steps profiled are mixed ones instead: one request of N new prompt
 tokens arrives while the batch decodes, and its chunks share steps with the decodes (a busy
 server). Its step time is printed with the mixed step's decode attention on the decode kernel
@@ -17,6 +23,7 @@ import itertools
 import json
 import time
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,6 +39,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", default=None)
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
@@ -45,12 +54,17 @@ def main() -> None:
     p.add_argument("--no-profile", action="store_true", help="print the step time only")
     p.add_argument("--host", action="store_true", help="cProfile the host side instead")
     p.add_argument(
+        "--split", action="store_true", help="time the forward with and without its matmuls"
+    )
+    p.add_argument(
         "--json-schema", action="store_true", help="constrained (bench_grammar's schema)"
     )
     args = p.parse_args()
     engine = Engine(
         args.model_path,
         load_format=args.load_format,
+        quantization=args.quantization,
+        num_threads=args.threads,
         log_level="warning",
         max_total_tokens=args.max_total_tokens,
         disable_cuda_graph=args.disable_cuda_graph,
@@ -109,6 +123,8 @@ def main() -> None:
             f"  graph replay alone {forward_ms:.2f} ms; the rest of the step "
             f"(logits, sampling, host) {per_step * 1e3 - forward_ms:.2f} ms"
         )
+    if args.split:
+        split_forward(engine, args.input_len, per_step)
     if args.host:
         import cProfile
         import pstats
@@ -190,6 +206,64 @@ def profile_mixed(engine: Engine, args: argparse.Namespace) -> None:
     prof = _profiler(device.type == "cuda")
     run("p", prof)
     _report(prof, device.type == "cuda", args.trace)
+
+
+def split_forward(engine: Engine, input_len: int, step_s: float) -> None:
+    """A decode step's forward timed alone, then with every linear layer's matmul stubbed (a
+    zeros tensor of its output's shape): the time outside the matmuls (norms, rotary,
+    attention, residual adds, Python). Then the logits, and the rest of the measured step
+    (sampling, scheduler: the step's mean time less these best times, on a busy machine
+    an upper bound)."""
+    from weft.runtime.models import layers
+
+    sched, runner = engine.scheduler, engine.runner
+    batches: list[Any] = []
+    real_forward = runner.forward
+
+    def capture(batch: Any) -> torch.Tensor:
+        batches.append(batch)
+        return real_forward(batch)
+
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    with mock.patch.object(runner, "forward", capture):
+        sched.add(Req("split", [1000] * input_len, params))
+        while sched.has_work:
+            sched.step()
+    # NOTE: the runs below write this batch's KV slot again: the cache must not hand it out
+    sched.flush_cache()
+    batch = next(b for b in reversed(batches) if b.is_decode)
+    zeros: dict[tuple[int, int], torch.Tensor] = {}
+
+    def no_matmul(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = weight.out_features if hasattr(weight, "out_features") else weight.shape[0]
+        key = (x.shape[0], out)
+        if key not in zeros:
+            zeros[key] = torch.zeros(key, dtype=x.dtype, device=x.device)
+        return zeros[key] if bias is None else zeros[key] + bias
+
+    def best_ms(fn: Any, n: int = 20) -> float:
+        """The fastest of n runs: on a shared machine, other work only ever adds time."""
+        fn()
+        times = []
+        for _ in range(n):
+            sync_device(runner.device)
+            t = time.perf_counter()
+            fn()
+            sync_device(runner.device)
+            times.append(time.perf_counter() - t)
+        return min(times) * 1e3
+
+    hidden = torch.zeros(1, runner.model_config.hidden_size, dtype=runner.dtype)
+    with torch.inference_mode():
+        forward_ms = best_ms(lambda: runner.model(batch, runner.attention))
+        logits_ms = best_ms(lambda: runner.logits(hidden.to(runner.device)))
+        with mock.patch.object(layers, "linear", no_matmul):
+            rest_ms = best_ms(lambda: runner.model(batch, runner.attention))
+    print(
+        f"  forward {forward_ms:.2f} ms: matmuls {forward_ms - rest_ms:.2f} ms, the rest "
+        f"{rest_ms:.2f} ms (matmuls stubbed); logits {logits_ms:.2f} ms; the rest of the step "
+        f"(sampling, scheduler) {step_s * 1e3 - forward_ms - logits_ms:.2f} ms"
+    )
 
 
 def _profiler(cuda: bool) -> profile:

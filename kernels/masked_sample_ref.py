@@ -85,8 +85,7 @@ def _greedy_allowed(
     tokens. A NaN anywhere in a row is its argmax, so a non-NaN maximum means a clean row."""
     if not bool(((temperature < GREEDY_TEMPERATURE) | (top_k == 1)).all()):
         return None
-    ids = logits.argmax(-1)
-    top = logits.gather(1, ids[:, None])[:, 0]
+    top, ids = max_and_argmax(logits)
     ok = top > float("-inf")  # (False for NaN too)
     if bitmask is not None:
         word = ids // 32
@@ -95,6 +94,29 @@ def _greedy_allowed(
         allowed = inside & (((bits >> (ids % 32).int()) & 1) == 1)
         ok &= allowed if constrained is None else allowed | ~constrained
     return ids if bool(ok.all()) else None
+
+
+ARGMAX_BLOCK = 128
+
+
+def max_and_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the largest value [B], the first index holding it [B]) of each row of x [B, V]: what
+    argmax answers (a NaN counts as the largest), and its value.
+
+    NOTE: by blocks of ARGMAX_BLOCK: the blocks' maxima (amax), the first block holding the
+    row's, argmax within it. On a CPU, amax vectorizes and argmax does not: ~0.04 ms instead of
+    ~0.3 ms for one row of a 152k vocabulary (one core).
+    """
+    rows, vocab = x.shape
+    if vocab % ARGMAX_BLOCK or not x.is_contiguous():
+        ids = x.argmax(-1)
+        return x.gather(1, ids[:, None])[:, 0], ids
+    blocks = x.view(rows, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    maxima = blocks.amax(-1)  # [B, blocks]: NaN where a block holds one
+    block = maxima.argmax(-1)  # the first block holding the row's maximum (or first NaN)
+    every = torch.arange(rows, device=x.device)
+    within = blocks[every, block].argmax(-1)
+    return maxima[every, block], block * ARGMAX_BLOCK + within
 
 
 def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -91,8 +91,8 @@ class TorchAttention(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.req_to_token
-        # decode: window (None: whole context) -> (slots [B, L], keep [B, 1, 1, L])
-        self._decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        # decode: window (None: whole context) -> (slots [B, L], keep [B, 1, 1, L] or None)
+        self._decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._window_masks: dict[int, list[torch.Tensor]] = {}  # extend: window -> [ext, seq]s
         if batch.is_decode:
             return
@@ -108,9 +108,11 @@ class TorchAttention(AttentionBackend):
 
     def _decode_view(
         self, window: int | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The KV slots a decode step reads for one window, built once per step and window:
-        slots [B, L] and keep [B, 1, 1, L] (False: padding, which reads slot 0).
+        slots [B, L] and keep [B, 1, 1, L] (False: padding, which reads slot 0), or keep None
+        where no row is padded (batch 1, or requests of one length): SDPA then takes no mask,
+        which gives the same values faster.
 
         Request b's query sits at position seq_len - 1 and sees positions [lo, seq_len) with
         lo = max(0, seq_len - W) (q - k < W, as `_visible` and the Triton kernels define it), so
@@ -134,7 +136,8 @@ class TorchAttention(AttentionBackend):
             # NOTE: past a request's length its row holds stale slots that may now belong to other
             # requests (and hold inf/NaN that a mask does not neutralise): read slot 0 there.
             slots = torch.where(keep, table[rows, pos], 0)
-            view = (slots, keep[:, None, None, :])
+            padded = min(batch.seq_lens_cpu) < width
+            view = (slots, keep[:, None, None, :] if padded else None)
             self._decode_views[window] = view
         return view
 
@@ -166,8 +169,10 @@ class TorchAttention(AttentionBackend):
         window, cap, scale = options.sliding_window, options.logit_cap, options.scale
         if batch.is_decode:
             slots, keep = self._decode_view(window, batch)
-            keys = k_buf[slots].transpose(1, 2)  # [B, Hkv, L, D]
-            values = v_buf[slots].transpose(1, 2)
+            # NOTE: index_select, not k_buf[slots]: it copies whole rows, ~3x faster on a CPU
+            rows = (num_tokens, -1, *k_buf.shape[1:])  # [B, L, Hkv, D]; transposed below
+            keys = k_buf.index_select(0, slots.view(-1)).view(rows).transpose(1, 2)
+            values = v_buf.index_select(0, slots.view(-1)).view(rows).transpose(1, 2)
             out = _attend(q.unsqueeze(2), keys, values, keep, cap, scale)  # [B, Hq, 1, D]
             return out.reshape(num_tokens, num_heads * head_dim)
         windowed = None if window is None else self._masks(window)

@@ -331,8 +331,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 @dataclass(frozen=True)
 class RopeStep:
-    """Either cos, sin [T, 1, head_dim / 2] gathered for the step's positions (torch path), or the
-    whole tables [max_pos, head_dim / 2] plus the positions (the fused Triton kernel)."""
+    """Either cos, sin [T, 1, head_dim] gathered for the step's positions and laid out for a
+    whole head, (cos, cos) and (-sin, sin) (torch path), or the whole tables
+    [max_pos, head_dim / 2] plus the positions (the fused Triton kernel)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -384,7 +385,9 @@ class Rotary(nn.Module):
         """A step's angles (looked up once, used by every layer)."""
         if fused:
             return RopeStep(self.cos, self.sin, positions)
-        return RopeStep(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), None)
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim / 2]
+        whole = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return RopeStep(whole[0].unsqueeze(1), whole[1].unsqueeze(1), None)
 
     @staticmethod
     def rotate(x: torch.Tensor, step: RopeStep) -> torch.Tensor:
@@ -393,9 +396,11 @@ class Rotary(nn.Module):
             from weft.kernels.rotary import apply_rotary
 
             return apply_rotary(x, step.cos, step.sin, step.positions, out=x)
-        cos, sin = step.cos, step.sin
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) as x * (cos, cos) + (x2, x1) * (-sin, sin):
+        # the same roundings as the halves apart, in six ops instead of ten
+        x32 = x.float()
+        half = x.shape[-1] // 2
+        out = (x32 * step.cos).add_(x32.roll(half, dims=-1).mul_(step.sin))
         return out.to(x.dtype)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from weft.grammars.bitmask import allowed_tokens
 from weft.kernels.masked_sample import HAS_TRITON, masked_sample
-from weft.kernels.masked_sample_ref import masked_sample_reference
+from weft.kernels.masked_sample_ref import masked_sample_reference, max_and_argmax
 
 from .kernel_utils import SMALL_DEVICE, generator
 
@@ -262,6 +262,27 @@ def test_reference_all_greedy_matches_definition(request, monkeypatch, vocab, wo
         assert taken[0] is not None
     if density == 0.02:  # some constrained row's maximum is masked
         assert taken[0] is None
+
+
+@pytest.mark.parametrize("vocab", [128 * 37, 128 * 37 + 5])  # by blocks; argmax itself
+def test_max_and_argmax_is_argmax(request, vocab):
+    """Ties (the first wins), NaN (the first NaN wins), rows all -inf, both signs of zero."""
+    g = generator(request.node.nodeid, torch.device("cpu"))
+    x = torch.randn((7, vocab), generator=g)
+    x[1, 3::5] = x[1].max() + 1  # tied maxima in many blocks
+    x[2, [600, 200, 4000]] = float("nan")
+    x[3] = NEG_INF
+    x[4, [130, 131]] = float("inf")
+    x[5] = torch.where(torch.arange(vocab) % 2 == 0, -0.0, -1.0)
+    x[5, 900] = 0.0
+    x[6, -1] = 50.0  # the last token
+    top, ids = max_and_argmax(x)
+    want = x.argmax(-1)
+    assert ids.tolist() == want.tolist()
+    torch.testing.assert_close(
+        top, x.gather(1, want[:, None])[:, 0], rtol=0, atol=0, equal_nan=True
+    )
+    assert ids.tolist()[1:5] == [3, 200, 0, 130]
 
 
 @needs_triton
