@@ -9,8 +9,6 @@ hold-back of a possible stop-string prefix while a sample runs.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import assert_never
@@ -19,7 +17,14 @@ import zmq
 from transformers import PreTrainedTokenizerBase
 
 from weft.runtime.detokenize import IncrementalDecoder
-from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, setup_child
+from weft.runtime.ipc import (
+    IpcNames,
+    ParentWatch,
+    exit_now,
+    pull_socket,
+    push_socket,
+    setup_child,
+)
 from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as from_sched
 from weft.runtime.messages.common import Fatal, Ready, Reply
@@ -113,7 +118,7 @@ class Detokenizer:
 def run_detokenizer_process(
     tokenizer_folder: Path | None, log_level: str, ipc: IpcNames, parent_pid: int
 ) -> None:
-    """Entry point of the child process (multiprocessing spawn)."""
+    """Entry point of the child process (multiprocessing spawn); ends the process."""
     setup_child("detokenizer", log_level)
     ctx = zmq.Context()
     inbox = pull_socket(ctx, ipc.detokenizer)
@@ -130,12 +135,14 @@ def run_detokenizer_process(
             outbox.send(to_tm.encoder.encode(detok.handle(from_sched.decoder.decode(inbox.recv()))))
             if watch.due() and not watch.parent_alive():
                 break
+    except SystemExit:  # SIGTERM: the server is stopping
+        pass
     except Exception as exc:  # reported to the server, then the process exits
         logger.exception("detokenizer failed")
         outbox.send(to_tm.encoder.encode(Fatal("detokenizer", f"{type(exc).__name__}: {exc}")))
         outbox.close(linger=1000)
-        sys.stderr.flush()
-        os._exit(1)
+        exit_now(1)
     inbox.close()
     outbox.close()
     ctx.term()
+    exit_now(0)

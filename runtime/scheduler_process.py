@@ -7,8 +7,6 @@ send the step's new token ids to the detokenizer in one message.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +16,14 @@ import torch
 import zmq
 
 from weft.runtime.core import Req, child_rid
-from weft.runtime.ipc import IpcNames, ParentWatch, pull_socket, push_socket, setup_child
+from weft.runtime.ipc import (
+    IpcNames,
+    ParentWatch,
+    exit_now,
+    pull_socket,
+    push_socket,
+    setup_child,
+)
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.messages import detokenizer_to_tokenizer as to_tm
 from weft.runtime.messages import scheduler_to_detokenizer as to_detok
@@ -277,7 +282,7 @@ class HeartbeatThread:
 def run_scheduler_process(
     config: ServerConfig, source: ModelSource, ipc: IpcNames, parent_pid: int
 ) -> None:
-    """Entry point of the child process (multiprocessing spawn)."""
+    """Entry point of the child process (multiprocessing spawn); ends the process."""
     setup_child("scheduler", config.log_level)
     ctx = zmq.Context()
     inbox = pull_socket(ctx, ipc.scheduler)
@@ -292,13 +297,14 @@ def run_scheduler_process(
             service.serve(inbox, outbox, ParentWatch(parent_pid))
         finally:
             heartbeat.stop()
+    except SystemExit:  # SIGTERM: the server is stopping
+        pass
     except Exception as exc:  # reported to the server, then the process exits
         logger.exception("scheduler failed")
         outbox.send(to_detok.encoder.encode(Fatal("scheduler", f"{type(exc).__name__}: {exc}")))
         outbox.close(linger=1000)  # let the message leave before the process ends
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        exit_now(1)
     inbox.close()
     outbox.close()
     ctx.term()
+    exit_now(0)

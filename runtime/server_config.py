@@ -42,6 +42,11 @@ class ServerConfig(EngineConfig):
     max_request_body_bytes: int = option(
         32 * 1024 * 1024, "refuse larger request bodies with a 413"
     )
+    header_timeout_s: float = option(
+        10.0,
+        "seconds a request's headers may take to arrive (from the connection's start, or the "
+        "request's first byte); a later one gets a 408 and the connection is closed",
+    )
     served_model_name: str | None = option(
         None, "model name in the OpenAI API (default: the model path)"
     )
@@ -100,6 +105,8 @@ class ServerConfig(EngineConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if not self.watchdog_timeout >= 0:
             raise ValueError(f"watchdog_timeout must be >= 0, got {self.watchdog_timeout}")
         if self.request_timeout is not None and not self.request_timeout > 0:

@@ -15,7 +15,8 @@ import pytest
 import requests
 
 from weft.runtime.server.errors import ApiError, decode_body
-from weft.runtime.server.launch import HEADER_TIMEOUT_S, MAX_HEADER_BYTES
+from weft.runtime.server.launch import MAX_HEADER_BYTES
+from weft.runtime.server_config import ServerConfig
 
 from server_utils import ServerProcess, stories_args
 
@@ -32,9 +33,17 @@ ROUTES = {
 }
 
 
+# NOTE: shorter than the default (10 s), which the cut-off tests would wait three times over
+HEADER_TIMEOUT_S = 4.0
+
+
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    srv = ServerProcess(*stories_args(stories_dir, "--chat-template", TEMPLATE))
+    srv = ServerProcess(
+        *stories_args(stories_dir, "--chat-template", TEMPLATE),
+        "--header-timeout-s",
+        str(HEADER_TIMEOUT_S),
+    )
     yield srv
     srv.assert_kv_intact()
     assert srv.stop() == 0
@@ -137,6 +146,12 @@ def test_a_dicts_value_is_no_field():
 
 
 # ---- request headers --------------------------------------------------------------------------
+
+
+def test_the_header_timeout_is_ten_seconds_unless_set():
+    assert ServerConfig().header_timeout_s == 10.0
+    with pytest.raises(ValueError, match="header_timeout_s must be > 0, got 0"):
+        ServerConfig(header_timeout_s=0)
 
 
 def connect(srv: ServerProcess) -> socket.socket:

@@ -63,9 +63,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from weft.runtime.ipc import exit_now
     from weft.runtime.server.launch import launch_server
 
-    return launch_server(config_from_args(ServerConfig, args))
+    # NOTE: `serve` is the process's whole life: once the server has stopped (children joined,
+    # ipc folder removed), the process ends without the interpreter's teardown (see exit_now)
+    exit_now(launch_server(config_from_args(ServerConfig, args)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -242,16 +242,15 @@ def _uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
         access_log=level == "debug",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=5,
-        http=_BoundedHeadersProtocol,
+        http=_bounded_headers(config.header_timeout_s),
     )
 
 
-# A request's headers must arrive within HEADER_TIMEOUT_S (from the connection's start for its
+# A request's headers must arrive within --header-timeout-s (from the connection's start for its
 # first request, from a request's first bytes for later ones) and within MAX_HEADER_BYTES:
 # otherwise a client that sends them slowly, or without end, holds a connection and its memory
 # for as long as it likes (3,000 slow-header connections were held once). uvicorn has neither
 # bound; it only closes a connection idle between requests (timeout_keep_alive).
-HEADER_TIMEOUT_S = 10.0
 MAX_HEADER_BYTES = 64 * 1024  # the request line and all headers; nginx allows 32 KiB
 
 
@@ -262,6 +261,8 @@ class _BoundedHeadersProtocol(HttpToolsProtocol):
     NOTE: relies on HttpToolsProtocol's callbacks (as of uvicorn 0.54): connection_made,
     data_received, on_message_begin, on_headers_complete, on_message_complete,
     connection_lost; and on its `cycle`, `transport`, `loop` and `server_state`."""
+
+    header_timeout_s: float  # set per server by `_bounded_headers`
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -306,7 +307,7 @@ class _BoundedHeadersProtocol(HttpToolsProtocol):
 
     def _arm(self) -> None:
         if self._deadline is None:  # a deadline is never pushed back
-            self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+            self._deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -340,6 +341,16 @@ class _BoundedHeadersProtocol(HttpToolsProtocol):
             )
             self.transport.write(b"".join(head) + body)
         self.transport.close()
+
+
+def _bounded_headers(timeout_s: float) -> type[_BoundedHeadersProtocol]:
+    """The protocol class with this server's header timeout (uvicorn makes one instance per
+    connection from the class it is given)."""
+
+    class BoundedHeaders(_BoundedHeadersProtocol):
+        header_timeout_s = timeout_s
+
+    return BoundedHeaders
 
 
 class _SignalGate:

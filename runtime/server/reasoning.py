@@ -39,12 +39,13 @@ request with neither a constraint nor a budget goes without it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Literal
 
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.server.errors import bad_request
+
+if TYPE_CHECKING:  # NOTE: the launcher imports this before its children start (launch.py)
+    from transformers import PreTrainedTokenizerBase
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "generic")
 THINK = ("<think>", "</think>")

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from weft.grammars.jump_forward import extends, settled_tokens
 from weft.grammars.vocab import TokenVocab
 
-from conftest import fixture_path, jump_forward_off, make_engine, require_default_model
+from conftest import fixture_path, jump_forward_off, make_engine, qwen_engine
 
 FORCED = [
     b" [",
@@ -208,8 +208,7 @@ def test_extraction_is_the_same_with_jump_forward_on_qwen():
     # The extraction: with the model's token re-tokenized and ` [` forced, the first
     # skill came back as ".budgeting" / "/roadmaps" (the model continued after an unnatural
     # split); without jump-forward it was right.
-    require_default_model()
-    engine = make_engine(None, max_total_tokens=8192)
+    engine = qwen_engine()  # the session's (3 prompts of ~200 tokens fit its 4096)
     prompts = [
         engine.tokenizer.apply_chat_template(
             [
@@ -222,10 +221,7 @@ def test_extraction_is_the_same_with_jump_forward_on_qwen():
         for text, _ in PEOPLE
     ]
     params = {"temperature": 0, "max_new_tokens": 120, "json_schema": json.dumps(EXTRACTION_SCHEMA)}
-    try:
-        outs = _same_text_three_ways(engine, prompts, params)
-    finally:
-        engine.shutdown()
+    outs = _same_text_three_ways(engine, prompts, params)
     assert _jumped(outs) > 0
     for out, (_, skills) in zip(outs, PEOPLE, strict=True):
         assert json.loads(out["text"])["skills"] == skills, out["text"]
