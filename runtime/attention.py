@@ -136,7 +136,9 @@ class TorchAttention(AttentionBackend):
             # NOTE: past a request's length its row holds stale slots that may now belong to other
             # requests (and hold inf/NaN that a mask does not neutralise): read slot 0 there.
             slots = torch.where(keep, table[rows, pos], 0)
-            padded = min(batch.seq_lens_cpu) < width
+            # NOTE: not from a graph's batch, whose host lengths are all the longest possible
+            # (the mask baked into its replays must cover every length)
+            padded = not batch.exact_lens or min(batch.seq_lens_cpu) < width
             view = (slots, keep[:, None, None, :] if padded else None)
             self._decode_views[window] = view
         return view

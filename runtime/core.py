@@ -198,6 +198,9 @@ class ForwardBatch:
     # positions, and their rows in that step's sampled ids (`feed_pending`)
     pending_at: torch.Tensor | None = None
     pending_rows: torch.Tensor | None = None
+    # False where seq_lens_cpu only bounds the lengths (a CUDA graph's batch: the longest
+    # possible request in every row), so no host decision may take them as the rows' own
+    exact_lens: bool = True
 
     def feed_pending(self, sampled_ids: torch.Tensor | None) -> None:
         """Copy the pending tokens into input_ids, on the device (queued behind the sampling

@@ -86,6 +86,7 @@ class CudaGraphRunner:
             seq_lens_cpu=[self.context_length] * bs,
             prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
+            exact_lens=False,
         )
 
     @torch.inference_mode()
