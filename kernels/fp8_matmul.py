@@ -256,9 +256,8 @@ def fp8_rows_matmul(
     x's dtype, fp32 accumulation. Blockwise groups (gk < K) must be multiples of 128 columns.
     splits: of K (default: rows_tiles' choice for block_n); block_n, num_warps: for sweeps.
 
-    NOTE: every program of a column band reads its rows of x again (from L2): N / block_n times
-    M x K x 2 bytes in all, as much as the weight itself at M = 64, block_n = 64, so wider bands
-    suit more rows."""
+    NOTE: every column band re-reads its rows of x (from L2); wider bands, which re-read less,
+    measured no faster at 64 rows on an H100 (benchmarks/RESULTS.md)."""
     dev = x.device
     check_tensor("x", x, 2, (torch.bfloat16, torch.float16), dev)
     check(x.stride(-1) == 1, "x: rows must be contiguous, got strides {}", x.stride())

@@ -56,8 +56,8 @@ BLOCK = 128  # the activation group along K of the block form (the weights' bloc
 FP8_GEMV_ONE_ROW = True
 # Steps of 2 to this many rows take the weight-only split-K matmul (fp8_rows_matmul). Measured on
 # an H100 (dummy Llama-3.1-8B, bench_one_batch): batch 16 decodes 5 % faster through it than
-# through torch._scaled_mm, batch 64 29 % slower (its 64 x 64 tiles widen e4m3 to bf16 four
-# times as often per weight byte). Between 16 and 64 unmeasured.
+# through torch._scaled_mm, batch 64 29 % slower; per layer the two are even at 32 rows
+# (bench_kernels.py --fp8-rows, benchmarks/RESULTS.md).
 FP8_ROWS_MAX_ROWS = 16
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
