@@ -178,8 +178,9 @@ class FP8Weight(nn.Module):
         self.triton = _triton_support(qweight.device) is None
         gk = self.group[1]
         self.gemv = self.triton and (gk == k or (gk >= 16 and gk & (gk - 1) == 0))
-        self.rows = self.triton and dtype in (torch.bfloat16, torch.float16)
-        self.rows = self.rows and (gk == k or gk % 128 == 0)
+        # the split-K matmul: 16-bit activations, K tiles of BLOCK inside each scale group
+        sixteen = dtype in (torch.bfloat16, torch.float16)
+        self.rows = self.triton and sixteen and (gk == k or gk % BLOCK == 0)
 
     def _choose_path(self, device: torch.device) -> tuple[str, str]:
         """(path, the reason for it): see the module's table."""

@@ -99,7 +99,8 @@ def read_tokens(
     In two passes: first every token that moves a grammar or a thinking phase, then `accepted()`
     (the scheduler starts the next step's mask fill there, on the fill's threads), then the
     output of the rest (detokenizing, stop checks: most of the time, now beside the fill). A
-    request that drafts is done whole in the first pass: its draft reads the matcher."""
+    request that drafts is done whole in the first pass: its draft reads the matcher. A step
+    with no such token calls no `accepted()` (nothing to fill early)."""
     result = flight.read()
     rows = [i for i, req in enumerate(flight.reqs) if req.pending == (flight.step, i)]
     later: list[tuple[int, bool]] = []  # (row, its token accepted by the grammar: emit it)
@@ -117,7 +118,8 @@ def read_tokens(
         else:
             req.pending = None
             _keep_fed(req, req.kv_len > req.seq_len, result.token_ids[i])  # (see _take)
-    if accepted is not None:
+    plain = sum(not emit for _, emit in later)  # rows no grammar or thinking phase takes
+    if accepted is not None and plain < len(rows):
         accepted()
     for i, emit in later:
         req = flight.reqs[i]

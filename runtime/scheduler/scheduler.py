@@ -279,8 +279,10 @@ class Scheduler:
         before the tokens are emitted (overlap schedule, no drafts in the step). Which rows
         are sampled is settled here: the read-back only finishes requests (it grows none), and a
         finished one's row is sampled and dropped."""
+        if not self.overlap:
+            return
         rows, reqs, drafts = self._sampling_rows(plans)
-        if not self.overlap or not reqs or drafts:
+        if not reqs or drafts:
             return
         start = time.perf_counter()
         masks = self.constrained.start_masks(reqs, {}, wait=False)
