@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+import weft  # noqa: F401  (first: it takes the checkout's root off sys.path, see _unshadow)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # NOTE: one setting locates the data that stays outside the repository.
 FIXTURES = Path(os.environ.get("WEFT_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures"))

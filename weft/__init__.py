@@ -18,7 +18,25 @@ Backends:
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
+
+
+def _unshadow() -> None:
+    """Take the checkout's root off sys.path (`python -m ...` run from it puts it there).
+    HAZARD: weft's subpackages live in the root's folders (kernels/, runtime/, grammars/, linked
+    into weft/), so from the root they are also importable by their bare names and shadow the
+    packages of those names: transformers 5 imports the `kernels` package (a dependency of it)
+    whenever it is installed, and got ours, failing every tokenizer load."""
+    here = os.path.dirname(os.path.realpath(__file__))
+    if not os.path.islink(os.path.join(here, "kernels")):
+        return  # an installed copy (its folder is site-packages, which must stay)
+    root = os.path.dirname(here)
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+
+
+_unshadow()
 
 if TYPE_CHECKING:
     from weft.frontend import (
