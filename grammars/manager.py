@@ -109,6 +109,7 @@ class RequestGrammar:
         self.end_ids = list(end_ids)
         self.ended = False
         self.jump_forward_tokens = 0  # forced tokens the model confirmed in a draft's forward
+        self.wait_s = 0.0  # how long the request waited for it (set by the scheduler)
 
     @property
     def backend_name(self) -> str:

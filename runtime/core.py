@@ -137,7 +137,8 @@ class Req:
         """What meta_info reports of constrained decoding (None: no grammar, or not compiled)."""
         if self.grammar is None:
             return None
-        return GrammarReport(self.grammar.backend_name, self.grammar.jump_forward_tokens)
+        g = self.grammar
+        return GrammarReport(g.backend_name, g.jump_forward_tokens, g.wait_s, g.compiled.cached)
 
     @property
     def fill_ids(self) -> list[int]:

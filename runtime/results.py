@@ -70,6 +70,8 @@ def sample_result(
     if grammar is not None:
         meta["grammar_backend"] = grammar.backend
         meta["jump_forward_tokens"] = grammar.jump_forward_tokens
+        meta["grammar_wait_s"] = grammar.wait_s
+        meta["grammar_cached"] = grammar.cached
     if logprobs is not None:
         name = token_text or (lambda tid: None)
         outputs, inputs = logprobs

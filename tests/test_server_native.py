@@ -109,7 +109,7 @@ META_KEYS = {
     "finish_reason",
     "e2e_latency",
 }
-GRAMMAR_KEYS = {"grammar_backend", "jump_forward_tokens"}
+GRAMMAR_KEYS = {"grammar_backend", "jump_forward_tokens", "grammar_wait_s", "grammar_cached"}
 LOGPROB_KEYS = {
     "output_token_logprobs",
     "output_top_logprobs",
@@ -136,7 +136,7 @@ def _same_meta(got, want, keys):
     """The server's meta_info (`got`) against the Engine's: the same keys, the same values but
     for the latency (each side times itself)."""
     assert set(got) == set(want) == keys
-    compared = keys & {*AGREE, *GRAMMAR_KEYS}
+    compared = keys & {*AGREE, "grammar_backend", "jump_forward_tokens"}  # not the waits
     assert {k: got[k] for k in compared} == {k: want[k] for k in compared}
 
 
@@ -159,6 +159,7 @@ def test_meta_info_equals_the_in_process_engines(server, engine, schedule, const
     if constraint != "unconstrained":
         assert meta["grammar_backend"] == "xgrammar"
         assert 0 <= meta["jump_forward_tokens"] < meta["completion_tokens"]
+        assert meta["grammar_wait_s"] >= 0 and isinstance(meta["grammar_cached"], bool)
     if constraint == "prose":
         assert meta["jump_forward_tokens"] >= 5
 
@@ -186,9 +187,10 @@ def test_meta_info_equals_the_in_process_engines(server, engine, schedule, const
     assert last["output_ids"] == want_last["output_ids"] == want["output_ids"]
     _same_meta(last["meta_info"], want_last["meta_info"], keys)
     assert last["meta_info"]["cached_tokens"] == last["meta_info"]["prompt_tokens"] - 1
-    assert {k: last["meta_info"][k] for k in keys - {"cached_tokens", "e2e_latency"}} == {
-        k: meta[k] for k in keys - {"cached_tokens", "e2e_latency"}
-    }
+    timed = {"cached_tokens", "e2e_latency", "grammar_wait_s", "grammar_cached"}
+    assert {k: last["meta_info"][k] for k in keys - timed} == {k: meta[k] for k in keys - timed}
+    if constraint != "unconstrained":  # the spec's second request on the server
+        assert last["meta_info"]["grammar_cached"] is True
 
 
 @pytest.mark.parametrize(

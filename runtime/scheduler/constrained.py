@@ -155,6 +155,7 @@ class Constrained:
                     self.served_by[compiled.backend.name] += 1
                     self.cache_hits += compiled.cached
                 req.grammar = RequestGrammar(compiled, self.end_list)
+                req.grammar.wait_s = now - req.created
                 ready.append(req)
             except Exception as exc:  # GrammarError, or a matcher the backend cannot build
                 self.output.finish(req, FinishReason("abort", message=str(exc), status=400))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -76,12 +77,14 @@ def test_slow_compiles_stall_neither_plain_nor_cached_requests(engine):
         # both backends of every chain worker's race are compiling (held)
         for _ in range(2 * len(SLOW)):
             assert gate.holding.acquire(timeout=DEADLINE_S)
+        held = time.perf_counter()
         hits = engine.call(lambda: engine.scheduler.constrained.cache_hits)
         plain = engine.generate(PROMPT, params)
         cached = engine.generate(PROMPT, {**params, "regex": CACHED})
         assert done == {}  # both finished while every slow spec was still compiling
         assert engine.call(lambda: engine.scheduler.constrained.cache_hits) == hits + 1
     finally:
+        released = time.perf_counter()
         gate.opened.set()
         for thread in threads:
             thread.join(DEADLINE_S)
@@ -89,6 +92,12 @@ def test_slow_compiles_stall_neither_plain_nor_cached_requests(engine):
     assert cached["meta_info"]["grammar_backend"] == "xgrammar"
     assert re.fullmatch(CACHED, cached["text"]), cached["text"]
     assert cached["text"] == warm["text"]  # greedy: the same grammar, the same output
+    assert (warm["meta_info"]["grammar_cached"], cached["meta_info"]["grammar_cached"]) == (
+        False,
+        True,
+    )
     for regex in SLOW:  # released together: whichever backend ends first serves
         assert done[regex]["meta_info"]["grammar_backend"] in ("xgrammar", "llguidance")
         assert re.fullmatch(regex, done[regex]["text"]), done[regex]["text"]
+        meta = done[regex]["meta_info"]  # they waited at least while held
+        assert not meta["grammar_cached"] and meta["grammar_wait_s"] >= released - held
