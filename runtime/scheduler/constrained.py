@@ -114,6 +114,12 @@ class Constrained:
             )
         return self._grammars
 
+    def prepare(self) -> None:
+        """The grammar backends built in the background from the start (a model without a
+        tokenizer has no constrained requests to build them for)."""
+        if self.output.tokenizer is not None:
+            self.grammars.prepare()
+
     # ---- compiles in flight ---------------------------------------------------------------
 
     def submit(self, req: Req) -> concurrent.futures.Future[Compiled] | None:

@@ -78,6 +78,7 @@ class Scheduler:
         )
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
         self.constrained = Constrained(config, runner, self.output, self.memory)
+        self.constrained.prepare()  # the grammar backends, built in the background from now
         self.arrivals = Arrivals(config.random_seed, self.constrained, self.memory.cache.enabled)
         self.admission = Admission(
             self.memory,
