@@ -42,6 +42,11 @@ class DaemonPool:
             future.set_exception(RuntimeError(f"the {self.name} pool is shut down"))
         return future
 
+    @property
+    def backlog(self) -> int:
+        """Jobs submitted and not yet taken by a thread."""
+        return self._jobs.qsize()
+
     def _work(self) -> None:
         while True:
             job = self._jobs.get()

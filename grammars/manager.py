@@ -3,8 +3,9 @@
 `GrammarManager.submit(spec)` returns a future at once. A spec whose grammar is cached gets a
 future already done; any other races the backends in order (default xgrammar -> llguidance ->
 outlines) on a chain worker: the preferred backend starts first, and the next one starts as soon
-as every backend running has had the race budget (RACE_BUDGET_S unless configured), or has
-refused the spec (at once), or has run past the compile timeout. The first backend that compiles the spec serves the request; when
+as every backend running has had the race budget (RACE_BUDGET_S unless configured, at most
+BACKLOG_BUDGET_S while other specs wait for a race), or has refused the spec (at once), or has
+run past the compile timeout. The first backend that compiles the spec serves the request; when
 several are done at one look, the earliest in the order. The scheduler polls the future between
 steps, so a request waiting for its grammar holds up nobody.
 
@@ -54,6 +55,10 @@ SPARE_COMPILE_THREADS = 4  # for compiles that run on past their race or their t
 # backend (its masks are the cheapest per step) and still starts three backends within 0.4 s, so
 # a spec some backend compiles in 0.1 s waits well under a second.
 RACE_BUDGET_S = 0.2
+# ... but while other specs wait for a race: 100 specs at once otherwise queued for ~10 s behind
+# races that each gave a slow xgrammar its 0.2 s (2 races at a time). llguidance compiles in
+# 10 ms at p99 on a 2-core CPU, so the third backend rarely starts even so.
+BACKLOG_BUDGET_S = 0.02
 BUILD_POLL_S = 0.05  # how often a race looks whether a backend it waits for is built
 MAX_JUMP_FORWARD_BYTES = 1024  # forced text tokenized for one draft (the rest comes later)
 # A spec whose minimum repetition counts multiply past this gets no jump-forward (see
@@ -88,6 +93,7 @@ class Compiled:
     refused: list[str] = field(default_factory=list)  # why earlier backends did not serve it
     jump_forward: bool = True  # False: the forced text may be too long to ask for
     cached: bool = False  # found in the cache at submission (no race ran)
+    ready_at: float = field(default_factory=time.perf_counter)  # when the race or lookup ended
 
 
 @dataclass
@@ -185,16 +191,20 @@ class GrammarManager:
         # in the chain queue, where no timeout runs (a backend's timeout counts from its start
         # in the race, when the race has a compile thread for it: it times the compile, not the
         # queue). A cached spec never enters the queue (`submit`).
-        # Two pools: a compile that loses its race or runs past the timeout keeps its compile
-        # thread until it ends (native code cannot be interrupted) while its race is over, so
-        # there are SPARE_COMPILE_THREADS more compile threads than races can use. Only with
-        # more compiles than that running on at once does a compile wait for a thread with its
-        # timeout running, and then the backend should time out: those threads may never come
-        # back.
+        # A pool for the races and one per backend for its compiles: a compile that loses its
+        # race or runs past the timeout keeps its compile thread until it ends (native code
+        # cannot be interrupted) while its race is over, so each backend has
+        # SPARE_COMPILE_THREADS more compile threads than races can use, and its compiles that
+        # run on never hold up another backend's (measured: 100 specs at once on a 2-core CPU,
+        # llguidance's 2 ms compiles queued behind xgrammar's seconds-long ones in one shared
+        # pool). Only with more of one backend's compiles than that running on at once does
+        # its compile wait for a thread with its timeout running, and then it should time out:
+        # those threads may never come back.
         self._chains = DaemonPool(workers, "weft-grammar-chain")
-        self._compiles = DaemonPool(
-            workers * len(self.order) + SPARE_COMPILE_THREADS, "weft-grammar"
-        )
+        self._compiles = {
+            name: DaemonPool(workers + SPARE_COMPILE_THREADS, f"weft-grammar-{name}")
+            for name in self.order
+        }
         # a step's mask fill: the backends' batches side by side (`fill`, or started and
         # joined later by the scheduler: MaskFill.start)
         self.fills = MaskFill(len(self.order))
@@ -284,9 +294,11 @@ class GrammarManager:
         refused: dict[str, str] = {}
         waiting = list(self.order)  # not started yet
         running: list[_Attempt] = []  # in the chain's order
-        budget = self.race_budget_s
         while True:
             now = time.perf_counter()
+            budget = self.race_budget_s
+            if self._chains.backlog:
+                budget = min(budget, BACKLOG_BUDGET_S)
             for attempt in list(running):  # NOTE: in order: the earliest done serves
                 name, future, since = attempt.name, attempt.future, self._since(attempt)
                 if future.done():
@@ -371,7 +383,7 @@ class GrammarManager:
             future = self._inflight.get(key)
             if future is not None:
                 return future
-            future = self._compiles.submit(self._compile_on, name, spec)
+            future = self._compiles[name].submit(self._compile_on, name, spec)
             self._inflight[key] = future
         # NOTE: outside the lock: on a future already done (a quick compile) the callback runs at
         # once on this thread, and _store takes the lock, which is not reentrant. Until _store
@@ -438,7 +450,8 @@ class GrammarManager:
 
     def shutdown(self) -> None:
         self._chains.shutdown()
-        self._compiles.shutdown()
+        for pool in self._compiles.values():
+            pool.shutdown()
         self.fills.shutdown()
 
 

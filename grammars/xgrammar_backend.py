@@ -21,7 +21,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from weft.grammars.base import FILL_THREADS, GrammarBackend, GrammarUnsupported, Matcher
+from weft.grammars.base import (
+    COMPILE_THREADS,
+    FILL_THREADS,
+    GrammarBackend,
+    GrammarUnsupported,
+    Matcher,
+)
 from weft.grammars.bitmask import bit_is_set, bits_set
 from weft.grammars.ebnf import choices_ebnf
 from weft.grammars.schema_keywords import (
@@ -85,7 +91,9 @@ class XGrammarBackend(GrammarBackend):
         self.info = xgrammar.TokenizerInfo(
             encoded, xgrammar.VocabType.RAW, vocab_size=vocab.size, stop_token_ids=vocab.end_ids
         )
-        self.compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
+        self.compiler = xgrammar.GrammarCompiler(
+            self.info, max_threads=COMPILE_THREADS, cache_enabled=False
+        )
         self._batch: Any = None
 
     def compile(self, spec: GrammarSpec) -> Any:

@@ -16,7 +16,7 @@ class GrammarReport(msgspec.Struct, array_like=True):
 
     backend: str  # the grammar backend that serves the request's constraint
     jump_forward_tokens: int  # forced tokens the model took from jump-forward drafts
-    wait_s: float = 0.0  # from the request's arrival at the scheduler to its grammar ready
+    wait_s: float = 0.0  # from the request's arrival at the scheduler to its grammar's end
     cached: bool = False  # its grammar was in the compile cache when it came
 
 

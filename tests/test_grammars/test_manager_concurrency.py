@@ -19,7 +19,14 @@ import pytest
 
 from weft.grammars import manager as manager_module
 from weft.grammars.base import GrammarBackend, GrammarUnsupported, Matcher
-from weft.grammars.manager import COMPILE_WORKERS, RACE_BUDGET_S, GrammarError, GrammarManager
+from weft.grammars.manager import (
+    BACKLOG_BUDGET_S,
+    COMPILE_WORKERS,
+    RACE_BUDGET_S,
+    SPARE_COMPILE_THREADS,
+    GrammarError,
+    GrammarManager,
+)
 from weft.grammars.no_grammar import AnyTextMatcher
 from weft.grammars.spec import GrammarSpec
 from weft.grammars.vocab import TokenVocab
@@ -123,7 +130,7 @@ def test_a_compile_finished_before_its_callback_is_added_does_not_deadlock():
     # on the same thread: it must not take a lock that thread already holds
     backend = ScriptedBackend()
     manager = _manager(backend)
-    manager._compiles = InlinePool()
+    manager._compiles = {"none": InlinePool()}
     try:
         first = within(DEADLINE_S, lambda: manager.compile(_spec("a+")))
         second = within(DEADLINE_S, lambda: manager.compile(_spec("a+")))
@@ -139,7 +146,7 @@ def test_a_refusal_is_cached_like_a_grammar(inline):
     backend.unsupported.add("b+")
     manager = _manager(backend)
     if inline:
-        manager._compiles = InlinePool()
+        manager._compiles = {"none": InlinePool()}
     try:
         for _ in range(2):
             with pytest.raises(GrammarError, match=r"^cannot compile the regex: none: b\+ is not"):
@@ -321,6 +328,52 @@ def test_a_hung_backend_loses_the_race_and_its_late_grammar_serves_later_request
         ("xgrammar", True, []),
     ]
     assert (hung.started, fast.started) == (["a+"], ["a+"])  # each compiled the spec once
+
+
+def test_a_backends_compiles_running_on_hold_up_no_other_backends():
+    # every compile thread of the preferred backend is taken by compiles that lost their race
+    # and run on; the next spec still gets the other backend's compile at its budget
+    # (as many as every compile thread of both backends, when they shared one pool)
+    stuck = [f"stuck{i}" for i in range(2 * COMPILE_WORKERS + SPARE_COMPILE_THREADS)]
+    threads = COMPILE_WORKERS + SPARE_COMPILE_THREADS  # the preferred backend's own
+    gates = {name: threading.Event() for name in stuck}
+    slow, fast = ScriptedBackend(gates), ScriptedBackend()
+    manager = _race(slow, fast, budget_s=0.05)
+    try:
+        for name in stuck:
+            assert manager.submit(_spec(name)).result(DEADLINE_S).backend.name == "llguidance"
+        slow.wait_started(threads)
+        compiled = manager.submit(_spec("a+")).result(DEADLINE_S)
+        assert slow.started == stuck[:threads]  # the rest, a+ too, wait for its threads
+    finally:
+        for gate in gates.values():
+            gate.set()
+        manager.shutdown()
+    assert (compiled.backend.name, compiled.grammar) == ("llguidance", "compiled a+")
+    assert compiled.compile_s < 1.0
+
+
+def test_specs_waiting_for_a_race_shorten_the_budget():
+    # a slow preferred backend: alone, each race gives it the whole budget; with specs queued
+    # behind, the next backend joins after BACKLOG_BUDGET_S
+    names = [f"s{i}" for i in range(4 * COMPILE_WORKERS)]
+    gate = threading.Event()
+    slow, fast = ScriptedBackend({n: gate for n in names}), ScriptedBackend()
+    budget = 2.0
+    manager = _race(slow, fast, budget_s=budget)
+    try:
+        start = time.perf_counter()
+        futures = [manager.submit(_spec(name)) for name in names]
+        compiled = [f.result(DEADLINE_S) for f in futures]
+        seconds = time.perf_counter() - start
+    finally:
+        gate.set()
+        manager.shutdown()
+    assert [c.backend.name for c in compiled] == ["llguidance"] * len(names)
+    # the last COMPILE_WORKERS races ran with nothing queued: they waited out the budget
+    assert seconds >= budget
+    queued = [c.compile_s for c in compiled[:-COMPILE_WORKERS]]
+    assert max(queued) < BACKLOG_BUDGET_S + 1.0, queued
 
 
 def test_a_refusal_passes_the_spec_on_without_waiting_out_the_budget():
