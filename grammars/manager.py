@@ -103,6 +103,11 @@ class _Attempt:
     name: str
     future: Future[Any]  # the compile's (shared with any race of the same spec on this backend)
     started: float  # perf_counter: its budget and timeout count from here (see `_since`)
+    counted: bool  # among the compile's waiters (a compile found in the cache has none)
+
+
+class _Dropped(Exception):
+    """A queued compile that no race waited for any more when its thread took it."""
 
 
 class RequestGrammar:
@@ -184,6 +189,12 @@ class GrammarManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
         self._inflight: dict[tuple[str, str, str], Future[Any]] = {}
+        # races waiting for each compile in flight; a compile none waits for when a thread
+        # takes it is dropped (a burst otherwise queued a backend's compiles, each seconds,
+        # behind ones whose race another backend had won). Its own lock, taken last: a
+        # compile thread checks it without `_lock`, which a race may hold while submitting.
+        self._waiters: dict[tuple[str, str, str], int] = {}
+        self._waiters_lock = threading.Lock()
         # NOTE: compiles share the scheduler process's GIL and cores: each one running slows
         # every decoding step (measured: plain requests went from 0.05 s to p50 0.43 s, max
         # 6.9 s, while 10 large schemas compiled 4 at a time). So `workers` specs race at once
@@ -290,6 +301,15 @@ class GrammarManager:
     def compile(self, spec: GrammarSpec) -> Compiled:
         """The race through the chain (see the module's docstring), blocking (the chain workers
         run this)."""
+        attempts: list[_Attempt] = []
+        try:
+            return self._race(spec, attempts)
+        finally:
+            for attempt in attempts:  # the compiles that lost go on only if already running
+                if attempt.counted:
+                    self._wait_for((attempt.name, spec.kind, spec.text), -1)
+
+    def _race(self, spec: GrammarSpec, attempts: list[_Attempt]) -> Compiled:
         start = time.perf_counter()
         refused: dict[str, str] = {}
         waiting = list(self.order)  # not started yet
@@ -297,12 +317,17 @@ class GrammarManager:
         while True:
             now = time.perf_counter()
             budget = self.race_budget_s
-            if self._chains.backlog:
+            if self._chains.backlog and math.isfinite(budget):  # (inf: no race at all)
                 budget = min(budget, BACKLOG_BUDGET_S)
             for attempt in list(running):  # NOTE: in order: the earliest done serves
                 name, future, since = attempt.name, attempt.future, self._since(attempt)
                 if future.done():
                     exc = future.exception()
+                    if isinstance(exc, _Dropped):  # joined just as it was dropped: again
+                        if attempt.counted:
+                            self._wait_for((name, spec.kind, spec.text), -1)
+                        attempt.future, attempt.counted = self._compile_future(name, spec)
+                        continue
                     if exc is None:
                         for other in running:
                             if other is not attempt:
@@ -342,7 +367,9 @@ class GrammarManager:
                 if isinstance(built, Exception):
                     refused[name] = f"unavailable ({built})"
                 else:
-                    running.append(_Attempt(name, self._compile_future(name, spec), now))
+                    future, counted = self._compile_future(name, spec)
+                    attempts.append(_Attempt(name, future, now, counted))
+                    running.append(attempts[-1])
                 continue
             if not running:
                 reasons = [f"{n}: {refused[n]}" for n in self.order]
@@ -366,9 +393,10 @@ class GrammarManager:
             return None
         return max(attempt.started, self._built_at.get(attempt.name, 0.0))
 
-    def _compile_future(self, name: str, spec: GrammarSpec) -> Future[Any]:
+    def _compile_future(self, name: str, spec: GrammarSpec) -> tuple[Future[Any], bool]:
         """The backend's compile of the spec: done if cached, the one in flight if any (a race
-        of the same spec, or a compile running on past its race), else a new one."""
+        of the same spec, or a compile running on past its race), else a new one; and whether
+        the caller now counts among its waiters (not for a cached one)."""
         key = (name, spec.kind, spec.text)
         with self._lock:
             if key in self._cache:
@@ -379,21 +407,34 @@ class GrammarManager:
                     done.set_exception(result)
                 else:
                     done.set_result(result)
-                return done
+                return done, False
+            self._wait_for(key, +1)  # NOTE: before the submit: a compile may start at once
             future = self._inflight.get(key)
             if future is not None:
-                return future
+                return future, True
             future = self._compiles[name].submit(self._compile_on, name, spec)
             self._inflight[key] = future
         # NOTE: outside the lock: on a future already done (a quick compile) the callback runs at
         # once on this thread, and _store takes the lock, which is not reentrant. Until _store
         # runs, a race asking for the same key gets the done future.
         future.add_done_callback(functools.partial(self._store, key))
-        return future
+        return future, True
+
+    def _wait_for(self, key: tuple[str, str, str], change: int) -> None:
+        with self._waiters_lock:
+            count = self._waiters.get(key, 0) + change
+            if count > 0:
+                self._waiters[key] = count
+            else:
+                self._waiters.pop(key, None)
 
     def _compile_on(self, name: str, spec: GrammarSpec) -> Any:
         """A compile thread's job: the backend (built here the first time: seconds, which count
-        in its race but hold up neither the race nor the other backends) compiles the spec."""
+        in its race but hold up neither the race nor the other backends) compiles the spec,
+        unless every race that wanted it has ended meanwhile."""
+        with self._waiters_lock:
+            if (name, spec.kind, spec.text) not in self._waiters:
+                raise _Dropped(f"{name}: no race waits for it")
         backend = self._backends.get(name)  # NOTE: built: no lock (the vocabulary's may be held)
         if backend is None:
             backend = self._backend(name)
@@ -405,7 +446,8 @@ class GrammarManager:
         """The compile's done-callback (on its compile worker, or at once on the race that
         submitted it): the result, or the refusal, goes from in flight to the cache."""
         with self._lock:
-            self._inflight.pop(key, None)
+            if self._inflight.get(key) is future:  # (a dropped one may have a successor)
+                del self._inflight[key]
             exc = future.exception()
             if exc is None or isinstance(exc, GrammarUnsupported):
                 self._cache[key] = future.result() if exc is None else exc

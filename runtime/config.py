@@ -107,7 +107,8 @@ class EngineConfig:
     grammar_race_budget: float = option(
         0.2,  # grammars.manager.RACE_BUDGET_S, where the reason is
         "seconds a grammar backend compiles a spec alone before the next in the order joins "
-        "the race (the first to compile it serves; inf: no race, the order decides)",
+        "the race (the first to compile it serves; at most 0.02 s while other specs wait for "
+        "a race; inf: no race, the order decides)",
     )
     constrained_json_disable_any_whitespace: bool = option(
         False,

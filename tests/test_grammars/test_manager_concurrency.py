@@ -353,6 +353,37 @@ def test_a_backends_compiles_running_on_hold_up_no_other_backends():
     assert compiled.compile_s < 1.0
 
 
+def test_a_queued_compile_whose_race_is_over_is_dropped():
+    # the preferred backend's threads are busy; the compiles of specs the other backend has
+    # served queue behind them, and are dropped once a thread takes them: a spec only the
+    # preferred backend compiles then gets a thread at once
+    threads = COMPILE_WORKERS + SPARE_COMPILE_THREADS
+    busy, queued = threading.Event(), threading.Event()
+    stuck = {f"stuck{i}": busy for i in range(threads)}
+    dead = {f"dead{i}": queued for i in range(threads)}
+    slow, fast = ScriptedBackend({**stuck, **dead}), ScriptedBackend()
+    fast.unsupported.add("only+")
+    manager = _race(slow, fast, timeout_s=3.0, budget_s=0.05)
+    try:
+        for name in [*stuck, *dead]:
+            assert manager.submit(_spec(name)).result(DEADLINE_S).backend.name == "llguidance"
+        slow.wait_started(threads)
+        busy.set()
+        deadline = time.monotonic() + DEADLINE_S
+        while any(key[0] == "xgrammar" for key in manager._inflight):
+            assert time.monotonic() < deadline, manager._inflight
+            time.sleep(0.01)
+        compiled = manager.submit(_spec("only+")).result(DEADLINE_S)
+    finally:
+        busy.set()
+        queued.set()
+        manager.shutdown()
+    assert (compiled.backend.name, compiled.grammar) == ("xgrammar", "compiled only+")
+    assert slow.started == [*stuck, "only+"]  # the queued ones never ran
+    late = [k for k in manager._cache if k[0] == "xgrammar"]
+    assert sorted(late) == sorted(("xgrammar", "regex", n) for n in [*stuck, "only+"])
+
+
 def test_specs_waiting_for_a_race_shorten_the_budget():
     # a slow preferred backend: alone, each race gives it the whole budget; with specs queued
     # behind, the next backend joins after BACKLOG_BUDGET_S
