@@ -24,16 +24,20 @@ from weft.runtime.models.vocab_parallel import LMHead, VocabEmbedding
 from weft.runtime.parallel import TPGroup, destroy_tp_group, init_tp_group
 
 TP_SIZE = 2
+FP8_MODEL = "llama-gqa-untied"  # also run with quantization fp8 (bfloat16 activations)
 # (request, tokens fed) per step: A's prompt in two chunks, the second beside B's first decode;
 # a request samples its next token where its feed reaches the end of its tokens
 PROMPTS = ([5, 81, 17, 140, 3, 99, 62, 28, 7, 131, 44, 12, 90], [33, 2, 150, 64, 9, 118])
 SCHEDULE = [[(0, 8), (1, 6)], [(0, 5), (1, 1)]] + [[(0, 1), (1, 1)]] * 5
 
 
-def build_runner(folder: Path, tp: TPGroup) -> ModelRunner:
+def build_runner(
+    folder: Path, tp: TPGroup, *, dtype: str = "float32", quantization: str = "auto"
+) -> ModelRunner:
     config = EngineConfig(
         model_path=str(folder),
-        dtype="float32",
+        dtype=dtype,
+        quantization=quantization,
         device="cpu",
         attention_backend="torch",
         max_total_tokens=64,
@@ -151,6 +155,8 @@ def rank_main(rank: int, store_path: str, folders: dict[str, str], out_dir: str)
                 "tokens": tokens,
                 "kv_heads": runner.kv_pool.k_buffers[0].shape[1],
             }
+        fp8 = build_runner(Path(folders[FP8_MODEL]), tp, dtype="bfloat16", quantization="fp8")
+        results["fp8"] = greedy_steps(fp8)[0]
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         destroy_tp_group(tp)
