@@ -92,6 +92,7 @@ def test_vocab_parallel_and_row_parallel_layers(two_ranks):
         "tied_logits": w["hidden"] @ w["table"].T,
         "head_logits": w["hidden"] @ w["head"].T,
         "row": F.linear(w["row_x"], w["row_weight"], w["row_bias"]),
+        "min_int": torch.tensor(10),
     }
     for results in ranks:
         for key, value in expected.items():

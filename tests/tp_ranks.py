@@ -120,7 +120,7 @@ def layer_weights() -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def layer_outputs(tp: TPGroup) -> dict[str, torch.Tensor]:
     """The vocab-parallel embedding and head and a row-parallel linear with a bias on this rank,
-    from the full weights of `layer_weights`."""
+    from the full weights of `layer_weights`; and the group's min_int."""
     w = layer_weights()
     embed = VocabEmbedding(7, 4, torch.float32, tp=tp)
     embed.load_param("weight", w["table"], "embed")
@@ -135,6 +135,7 @@ def layer_outputs(tp: TPGroup) -> dict[str, torch.Tensor]:
         "tied_logits": embed.logits(w["hidden"]),
         "head_logits": head.logits(w["hidden"]),
         "row": row(x),
+        "min_int": torch.tensor(tp.min_int(10 + tp.rank)),  # what every rank can afford
     }
 
 
