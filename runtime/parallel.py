@@ -5,17 +5,17 @@ Every layer takes a `TPGroup`; the default, `SINGLE` (one rank), makes each coll
 its input untouched and each split the whole dimension, so a one-rank model is the model as it
 was. Over `size` ranks, rank r holds:
 
-    | layer                           | rank r holds                                 | then       |
-    |---------------------------------|----------------------------------------------|------------|
-    | ColumnLinear (qkv, gate_up)     | its rows of each merged shard                | -          |
-    | RowLinear (o_proj, down_proj)   | its columns (the slice of x it receives)     | all-reduce |
-    | attention, KV pool              | num_heads / size q heads; num_kv_heads / size| -          |
-    |                                 | kv heads, or the one its q heads read        |            |
-    | VocabEmbedding (embed_tokens)   | vocab rows [r V', (r + 1) V'),               | all-reduce |
-    |                                 | V' = ceil(vocab / size) (padded with zeros)  |            |
-    | LMHead (or the tied embedding)  | the same vocab rows                          | all-gather |
-    | MoE experts                     | each expert's gate_up rows and down columns  | all-reduce |
-    | norms, rotary, MoE router       | all of it (replicated)                       | -          |
+    | layer                          | rank r holds                                  | then       |
+    |--------------------------------|-----------------------------------------------|------------|
+    | ColumnLinear (qkv, gate_up)    | its rows of each merged shard                 | -          |
+    | RowLinear (o_proj, down_proj)  | its columns (the slice of x it receives)      | all-reduce |
+    | attention, KV pool             | num_heads / size q heads; num_kv_heads / size | -          |
+    |                                | KV heads, or the one its q heads read         |            |
+    | VocabEmbedding (embed_tokens)  | vocab rows [r V', (r + 1) V'),                | all-reduce |
+    |                                | V' = ceil(vocab / size), padded with zeros    |            |
+    | LMHead (or the tied embedding) | the same vocab rows                           | all-gather |
+    | MoE experts                    | each expert's gate_up rows and down columns   | all-reduce |
+    | norms, rotary, MoE router      | all of it (replicated)                        | -          |
 
 Collectives run over torch.distributed (gloo on CPUs, NCCL on GPUs); every rank must run the
 same steps with the same inputs, as they meet in each all-reduce.
