@@ -20,6 +20,7 @@ from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.fp8 import FP8Weight
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
 from weft.runtime.models.registry import model_class
+from weft.runtime.parallel import SINGLE, TPGroup
 
 logger = logging.getLogger("weft")
 
@@ -129,10 +130,16 @@ def gpu_pool_tokens(
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    """One rank's model, KV pool and attention backend. Under tensor parallelism (`tp`) every
+    rank builds its own runner over its slice of the model and runs each step's `forward` and
+    `logits` with the same batch, in the same order: the layers' collectives pair them up."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, *, tp: TPGroup = SINGLE) -> None:
         self.config = config
+        self.tp = tp
         self.model_config = ModelConfig.from_folder(source.folder)
-        self.device = resolve_device(config)
+        # NOTE: a rank's device is its group's (init_tp_group: one GPU per CUDA rank)
+        self.device = resolve_device(config) if tp.size == 1 else tp.device
         self.dtype = resolve_dtype(config, self.model_config, self.device)
         cls = model_class(self.model_config.architecture)
         max_ctx = config.context_length or self.model_config.max_position_embeddings
@@ -141,8 +148,10 @@ class ModelRunner:
         if max_ctx > cfg.max_position_embeddings:
             cfg = dataclasses.replace(cfg, max_position_embeddings=max_ctx)
         fp8_plan = resolve_fp8(config, cfg, source.load_format, self.dtype, self.device)
+        # the KV heads this rank holds (all of them on one rank)
+        self.num_kv_heads = tp.split_kv_heads(cfg.num_kv_heads).size
         with torch.device(self.device):
-            self.model = cls(cfg, self.dtype)
+            self.model = cls(cfg, self.dtype, tp=tp)
         self._load_weights(source)
         apply_fp8(self.model, fp8_plan)
         if fp8_plan.why:
@@ -160,7 +169,7 @@ class ModelRunner:
         self.kv_pool = KVPool(
             self._pool_size(),
             cfg.num_layers,
-            cfg.num_kv_heads,
+            self.num_kv_heads,
             cfg.head_dim,
             self.dtype,
             self.device,
@@ -169,11 +178,12 @@ class ModelRunner:
         self.attention = self._attention_backend()
         self.graphs = self._capture_graphs()
         logger.info(
-            "model %s: %s, %s on %s; weights: %s; KV pool %d tokens (%.2f GB)",
+            "model %s: %s, %s on %s%s; weights: %s; KV pool %d tokens (%.2f GB)",
             source.display_path,
             cfg.architecture,
             _activation_text(self.dtype, self.device),
             self.device,
+            f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
             _weights_text(quantized, self.dtype, config.quantized_prefill, fp8),
             self.kv_pool.size,
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
@@ -228,12 +238,14 @@ class ModelRunner:
         cfg, config = self.model_config, self.config
         if config.max_total_tokens is not None:
             return config.max_total_tokens
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        per_token = 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            return gpu_pool_tokens(
+            tokens = gpu_pool_tokens(
                 free, total, config.mem_fraction_static, per_token, self.context_length
             )
+            # NOTE: every rank's pool holds the same slots (one scheduler hands them out)
+            return self.tp.min_int(tokens)
         budget_tokens = int(config.cpu_kv_cache_gb * 1e9 // per_token)
         return max(min(budget_tokens, 4 * self.context_length), 1024)
 

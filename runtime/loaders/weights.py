@@ -55,6 +55,9 @@ def init_dummy(model: torch.nn.Module, seed: int) -> None:
     """Random weights in real shapes (benchmarks: decode speed does not depend on values).
 
     Drawn on the parameters' own device, so values differ between CPU and GPU for one seed.
+    NOTE: tensor-parallel ranks draw the same values in the same order (their parameters have
+    the same shapes), so the replicated ones (norms, a MoE router) agree across ranks; the split
+    ones are not slices of one model, which a benchmark does not mind.
     """
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():

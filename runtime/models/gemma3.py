@@ -16,6 +16,7 @@ from weft.runtime.core import ForwardBatch
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.layers import GemmaRMSNorm, RopeStep
 from weft.runtime.models.llama import Attention, LlamaForCausalLM
+from weft.runtime.parallel import SINGLE, TPGroup
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -25,10 +26,18 @@ class Gemma3DecoderLayer(nn.Module):
     norm adds them (the additions happen in the model dtype, where transformers does them).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, mlp: nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        mlp: nn.Module,
+        *,
+        tp: TPGroup = SINGLE,
+    ):
         super().__init__()
         self.local_rope = cfg.layer_window(layer) is not None
-        self.self_attn = Attention(cfg, layer, dtype, norm=GemmaRMSNorm)
+        self.self_attn = Attention(cfg, layer, dtype, norm=GemmaRMSNorm, tp=tp)
         self.mlp = mlp
         size, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
@@ -56,11 +65,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_class = Gemma3DecoderLayer
     norm_class = GemmaRMSNorm
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, *, tp: TPGroup = SINGLE):
         # NOTE: transformers' Gemma 3 reads attn_logit_softcapping but never applies it (Gemma 2
         # did; the released Gemma 3 configs set it null, and llama.cpp has no such cap either):
         # weft follows, so a config that sets it gives transformers' logits, not the capped ones
-        super().__init__(dataclasses.replace(cfg, qk_norm=True, attn_logit_cap=None), dtype)
+        cfg = dataclasses.replace(cfg, qk_norm=True, attn_logit_cap=None)
+        super().__init__(cfg, dtype, tp=tp)
         # NOTE: transformers rounds sqrt(hidden) to the model dtype before multiplying (33.94 is
         # 34.0 in bfloat16): a Python float would scale by the exact value instead
         self.embed_scale: torch.Tensor

@@ -1,14 +1,18 @@
 """Shared model layers. Each parameter that is stored merged (qkv, gate_up) knows how to load its
 shards, so architecture files stay short.
 
-NOTE (tensor parallelism, later): the column-parallel (qkv, gate_up) and row-parallel (o, down)
-linears are separate classes so that a tp split drops in here without touching the models.
+Tensor parallelism (runtime/parallel.py has the table): a ColumnLinear holds its rank's rows of
+each merged shard, a RowLinear its rank's columns, and sums the ranks' outputs; a layer that
+holds a slice of a checkpoint tensor loads it itself (`SlicedLoading`), so a new architecture on
+these layers is split over ranks without code of its own.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +22,7 @@ from torch import nn
 
 from weft.runtime.model_config import Fp8Checkpoint
 from weft.runtime.models.fp8 import FP8_DTYPE, FP8Weight, merge_shards, quantize_weight
+from weft.runtime.parallel import SINGLE, RankSlice, TPGroup
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -127,7 +132,7 @@ class QuantWeight(nn.Module):
         return out if bias is None else out + bias
 
 
-class _QuantLoading:
+class QuantLoading:
     """Linear modules whose weight may arrive quantized, one shard (row block) at a time: GGUF
     leaves (QUANT_LEAVES) or an FP8 checkpoint's e4m3 weight and its scales (FP8_LEAVES)."""
 
@@ -224,15 +229,36 @@ class _QuantLoading:
         self.weight = quant
 
 
-class ColumnLinear(_QuantLoading, nn.Module):
-    """y = x W^T (+ b), W stored as several row blocks loaded one shard at a time."""
+class SlicedLoading(ABC):
+    """A layer whose parameters hold its rank's slice of the checkpoint's full tensors: it loads
+    each of them itself (LlamaForCausalLM.load_weights hands them over by leaf name)."""
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
+    @abstractmethod
+    def load_param(self, leaf: str, tensor: torch.Tensor, name: str) -> None:
+        """Keep this rank's part of `tensor`, the checkpoint's full parameter `leaf` (its
+        checkpoint name: `name`)."""
+
+
+class ColumnLinear(QuantLoading, nn.Module):
+    """y = x W^T (+ b), W stored as several row blocks (shards) loaded one at a time.
+
+    A shard given as a RankSlice (tensor parallelism) keeps only those rows of the checkpoint's
+    shard, its bias too: y holds this rank's slice of each shard's outputs, side by side.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: Sequence[int | RankSlice],
+        bias: bool,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         self.quantize = True
-        self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
-        self.shard_sizes = shard_sizes
-        out = sum(shard_sizes)
+        self.shards = [s if isinstance(s, RankSlice) else RankSlice.whole(s) for s in shards]
+        self.shard_sizes = [s.size for s in self.shards]
+        self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shards))]
+        out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
@@ -242,27 +268,60 @@ class ColumnLinear(_QuantLoading, nn.Module):
         target = self.weight if param_name == "weight" else self.bias
         if not isinstance(target, torch.Tensor):  # None, or a weight already quantized
             raise ValueError(f"unexpected {param_name} for a linear without a dense one")
+        what = f"{param_name} shard {shard}"
+        rows = self.shards[shard].take(tensor, 0, what)
         start, size = self.shard_offsets[shard], self.shard_sizes[shard]
-        _copy_checked(target.data[start : start + size], tensor, f"{param_name} shard {shard}")
+        _copy_checked(target.data[start : start + size], rows, what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
-class RowLinear(_QuantLoading, nn.Module):
-    """quantize False: a weight quantization 'fp8' leaves dense (the lm_head, a MoE router)."""
+class RowLinear(QuantLoading, SlicedLoading, nn.Module):
+    """y = x W^T (+ b), row-parallel over `tp`: x arrives split along `in` (a ColumnLinear's
+    slice of outputs, through per-row ops), each rank multiplies its columns of W, and the
+    partial products are summed over the ranks; the bias is added once, after the sum.
+
+    tp SINGLE: a plain linear (a MoE router, replicated on every rank). quantize False: a weight
+    quantization 'fp8' leaves dense (a MoE router).
+    """
 
     def __init__(
-        self, in_features: int, out_features: int, dtype: torch.dtype, *, quantize: bool = True
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        *,
+        quantize: bool = True,
+        bias: bool = False,
+        tp: TPGroup = SINGLE,
     ):
         super().__init__()
         self.quantize = quantize
+        self.tp = tp
+        self.inputs = tp.split(in_features, what="a row-parallel linear's in_features")
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+            torch.empty(out_features, self.inputs.size, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            if bias
+            else None
         )
 
+    def load_param(self, leaf: str, tensor: torch.Tensor, name: str) -> None:
+        target = self.weight if leaf == "weight" else self.bias
+        if not isinstance(target, torch.Tensor):  # a weight already quantized
+            raise ValueError(f"unexpected {name!r} for a linear without a dense {leaf}")
+        if leaf == "weight":
+            tensor = self.inputs.take(tensor, 1, name)
+        _copy_checked(target.data, tensor, name)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        if self.tp.size == 1:
+            return linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):

@@ -18,13 +18,16 @@ from weft.runtime.models.layers import (
     GATED_ACTIVATIONS,
     QUANT_LEAVES,
     ColumnLinear,
+    QuantLoading,
     RMSNorm,
     RopeStep,
     Rotary,
     RowLinear,
-    linear,
+    SlicedLoading,
     load_plain,
 )
+from weft.runtime.models.vocab_parallel import LMHead, VocabEmbedding
+from weft.runtime.parallel import SINGLE, TPGroup
 
 # HF checkpoint name -> (merged parameter, shard index)
 _STACKED = {
@@ -37,20 +40,29 @@ _STACKED = {
 
 
 class Attention(nn.Module):
+    """Over tensor-parallel ranks: this rank's q heads and the KV heads they read
+    (TPGroup.split_kv_heads); num_heads and num_kv_heads are those local counts."""
+
     def __init__(
-        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, norm: type[RMSNorm] = RMSNorm
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        norm: type[RMSNorm] = RMSNorm,
+        *,
+        tp: TPGroup = SINGLE,
     ):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
+        heads = tp.split(cfg.num_heads, what="num_attention_heads")
+        kv_heads = tp.split_kv_heads(cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.size, kv_heads.size, cfg.head_dim
+        q_rows, kv_rows = heads.scaled(cfg.head_dim), kv_heads.scaled(cfg.head_dim)
+        self.splits = [q_rows.size, kv_rows.size, kv_rows.size]
+        self.qkv_proj = ColumnLinear(
+            cfg.hidden_size, [q_rows, kv_rows, kv_rows], cfg.attention_bias, dtype
         )
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.splits = [q_size, kv_size, kv_size]
-        self.qkv_proj = ColumnLinear(cfg.hidden_size, self.splits, cfg.attention_bias, dtype)
-        self.o_proj = RowLinear(q_size, cfg.hidden_size, dtype)
+        self.o_proj = RowLinear(q_rows.total, cfg.hidden_size, dtype, tp=tp)
         # Qwen3: an RMSNorm over each q and k head, before rope
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -79,11 +91,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, *, tp: TPGroup = SINGLE):
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = tp.split(cfg.intermediate_size, what="intermediate_size")
         self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], False, dtype)
-        self.down_proj = RowLinear(inter, cfg.hidden_size, dtype)
+        self.down_proj = RowLinear(inter.total, cfg.hidden_size, dtype, tp=tp)
         if cfg.hidden_act not in GATED_ACTIVATIONS:
             known = ", ".join(GATED_ACTIVATIONS)
             raise ValueError(f"hidden activation {cfg.hidden_act!r} unsupported (known: {known})")
@@ -94,10 +106,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, mlp: nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        mlp: nn.Module,
+        *,
+        tp: TPGroup = SINGLE,
+    ):
         super().__init__()
         self.local_rope = cfg.layer_window(layer) is not None  # a windowed layer's own RoPE
-        self.self_attn = Attention(cfg, layer, dtype)
+        self.self_attn = Attention(cfg, layer, dtype, tp=tp)
         self.mlp = mlp  # forward(x, fused) -> x's shape
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -121,9 +141,10 @@ class LlamaForCausalLM(nn.Module):
     layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[RMSNorm] = RMSNorm
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, *, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = cfg
+        self.tp = tp
         max_pos = cfg.max_position_embeddings
         self.rotary = Rotary(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3: the sliding-window layers rotate with their own base (and scaling)
@@ -132,28 +153,24 @@ class LlamaForCausalLM(nn.Module):
             if cfg.local_rope_theta is None
             else Rotary(cfg.head_dim, max_pos, cfg.local_rope_theta, cfg.local_rope_scaling)
         )
-        # NOTE: no random init (nn.Embedding's normal_ over Qwen's 151936 x 896 table takes
-        # 1-2 s of every load on a small CPU): every weight is loaded, or drawn by init_dummy
-        table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp=tp)
         self.layers = nn.ModuleList(
-            self.layer_class(cfg, i, dtype, self.make_mlp(cfg, i, dtype))
+            self.layer_class(cfg, i, dtype, self.make_mlp(cfg, i, dtype), tp=tp)
             for i in range(cfg.num_layers)
         )
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else RowLinear(cfg.hidden_size, cfg.vocab_size, dtype, quantize=False)
+            else LMHead(cfg.hidden_size, cfg.vocab_size, dtype, tp=tp)
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> nn.Module:
-        """Layer `layer`'s MLP (a mixture-of-experts model overrides it)."""
-        return MLP(cfg, dtype)
+        """Layer `layer`'s MLP (a mixture-of-experts model overrides it), split over self.tp."""
+        return MLP(cfg, dtype, tp=self.tp)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states [K, hidden] of the tokens in `batch.logits_indices`."""
@@ -170,8 +187,9 @@ class LlamaForCausalLM(nn.Module):
         return x[batch.logits_indices]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight).float()
+        """hidden [K, H] -> logits [K, vocab] float32 (on every rank)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = head.logits(hidden).float()
         cap = self.config.final_logit_cap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -192,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
             if leaf == "input_scale":
                 continue  # static activation scales: weft quantizes per token (Fp8Checkpoint)
             if leaf in QUANT_LEAVES or fp8:  # a GGUF (loaders/gguf_quant.py) or FP8 weight
+                if self.tp.size > 1:
+                    raise ValueError(_unsplittable(name, fp8, self.tp.size))
                 merged, shard = _STACKED.get(proj, (proj, 0))
                 holder = self._quantized_linear(f"{parent}.{merged}" if parent else merged, name)
                 n_shards = len(holder.shard_sizes) if isinstance(holder, ColumnLinear) else 1
@@ -219,23 +239,39 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            load_plain(params[name], tensor, name)
+            owner = self.get_submodule(module_name)
+            if isinstance(owner, SlicedLoading):  # it keeps its rank's slice
+                owner.load_param(leaf, tensor, name)
+            else:
+                load_plain(params[name], tensor, name)
             loaded.add(name)
         for module_name, module in self.named_modules():
-            if isinstance(module, (ColumnLinear, RowLinear)) and module.pending_quant():
+            if isinstance(module, QuantLoading) and module.pending_quant():
                 raise ValueError(
                     f"checkpoint ends part-way through the quantized weight of {module_name}: "
                     f"it has only {', '.join(module.pending_quant())}"
                 )
         return loaded
 
-    def _quantized_linear(self, path: str, name: str) -> ColumnLinear | RowLinear:
-        """The linear a quantized checkpoint tensor `name` belongs to."""
+    def _quantized_linear(self, path: str, name: str) -> QuantLoading:
+        """The linear (or lm_head) a quantized checkpoint tensor `name` belongs to."""
         module: nn.Module | None
         try:
             module = self.get_submodule(path)
         except AttributeError:
             module = None
-        if not isinstance(module, (ColumnLinear, RowLinear)):
+        if not isinstance(module, QuantLoading):
             raise ValueError(f"unexpected tensor {name!r} in checkpoint: no linear layer {path}")
         return module
+
+
+def _unsplittable(name: str, fp8: bool, tp_size: int) -> str:
+    """Why a quantized checkpoint tensor cannot load under tensor parallelism (yet)."""
+    if fp8:
+        form, instead = "an FP8 (float8_e4m3fn) weight or scale", "a bfloat16 checkpoint"
+    else:
+        form, instead = "a GGUF-quantized (int4 / int8) weight", "quantization none"
+    return (
+        f"{name}: {form} cannot be split over {tp_size} tensor-parallel ranks yet; load "
+        f"{instead}, or run on one rank"
+    )

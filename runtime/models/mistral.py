@@ -9,9 +9,11 @@ import torch
 
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.llama import LlamaForCausalLM
+from weft.runtime.parallel import SINGLE, TPGroup
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, *, tp: TPGroup = SINGLE):
         # NOTE: transformers' Mistral ignores layer_types: its window holds in every layer
-        super().__init__(dataclasses.replace(cfg, full_attention_layers=frozenset()), dtype)
+        cfg = dataclasses.replace(cfg, full_attention_layers=frozenset())
+        super().__init__(cfg, dtype, tp=tp)

@@ -9,8 +9,9 @@ import torch
 
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.llama import LlamaForCausalLM
+from weft.runtime.parallel import SINGLE, TPGroup
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__(dataclasses.replace(cfg, qk_norm=True), dtype)
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, *, tp: TPGroup = SINGLE):
+        super().__init__(dataclasses.replace(cfg, qk_norm=True), dtype, tp=tp)

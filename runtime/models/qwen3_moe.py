@@ -13,6 +13,7 @@ from torch import nn
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models.llama import MLP, LlamaForCausalLM
 from weft.runtime.models.moe import Experts, SparseMoE
+from weft.runtime.parallel import SINGLE, TPGroup
 
 _PER_EXPERT = re.compile(
     r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
@@ -21,14 +22,16 @@ _PER_EXPERT = re.compile(
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, *, tp: TPGroup = SINGLE):
         # NOTE: transformers' Qwen3-MoE applies a sliding window (use_sliding_window) in every
         # layer: max_window_layers is not read
         cfg = dataclasses.replace(cfg, qk_norm=True, full_attention_layers=frozenset())
-        super().__init__(cfg, dtype)
+        super().__init__(cfg, dtype, tp=tp)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> nn.Module:
-        return SparseMoE(cfg, dtype) if cfg.is_sparse_layer(layer) else MLP(cfg, dtype)
+        if cfg.is_sparse_layer(layer):
+            return SparseMoE(cfg, dtype, tp=self.tp)
+        return MLP(cfg, dtype, tp=self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Per-expert tensors go into the stacked expert parameters; the rest load as in Llama."""
