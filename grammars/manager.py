@@ -367,8 +367,8 @@ class GrammarManager:
                 if isinstance(built, Exception):
                     refused[name] = f"unavailable ({built})"
                 else:
-                    future, counted = self._compile_future(name, spec)
-                    attempts.append(_Attempt(name, future, now, counted))
+                    future, waits = self._compile_future(name, spec)
+                    attempts.append(_Attempt(name, future, now, waits))
                     running.append(attempts[-1])
                 continue
             if not running:
