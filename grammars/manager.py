@@ -103,7 +103,7 @@ class _Attempt:
     name: str
     future: Future[Any]  # the compile's (shared with any race of the same spec on this backend)
     started: float  # perf_counter: its budget and timeout count from here (see `_since`)
-    counted: bool  # among the compile's waiters (a compile found in the cache has none)
+    waits: bool  # among the compile's waiters (a compile found in the cache has none)
 
 
 class _Dropped(Exception):
@@ -120,7 +120,6 @@ class RequestGrammar:
         self.end_ids = list(end_ids)
         self.ended = False
         self.jump_forward_tokens = 0  # forced tokens the model confirmed in a draft's forward
-        self.wait_s = 0.0  # how long the request waited for it (set by the scheduler)
 
     @property
     def backend_name(self) -> str:
@@ -306,7 +305,7 @@ class GrammarManager:
             return self._race(spec, attempts)
         finally:
             for attempt in attempts:  # the compiles that lost go on only if already running
-                if attempt.counted:
+                if attempt.waits:
                     self._wait_for((attempt.name, spec.kind, spec.text), -1)
 
     def _race(self, spec: GrammarSpec, attempts: list[_Attempt]) -> Compiled:
@@ -324,9 +323,9 @@ class GrammarManager:
                 if future.done():
                     exc = future.exception()
                     if isinstance(exc, _Dropped):  # joined just as it was dropped: again
-                        if attempt.counted:
+                        if attempt.waits:
                             self._wait_for((name, spec.kind, spec.text), -1)
-                        attempt.future, attempt.counted = self._compile_future(name, spec)
+                        attempt.future, attempt.waits = self._compile_future(name, spec)
                         continue
                     if exc is None:
                         for other in running:

@@ -138,7 +138,10 @@ class Req:
         if self.grammar is None:
             return None
         g = self.grammar
-        return GrammarReport(g.backend_name, g.jump_forward_tokens, g.wait_s, g.compiled.cached)
+        # NOTE: the wait ends at the compile's end, not at the poll that saw it: a step that ran
+        # meanwhile held up every request that came during it, constrained or not
+        wait_s = max(g.compiled.ready_at - self.created, 0.0)
+        return GrammarReport(g.backend_name, g.jump_forward_tokens, wait_s, g.compiled.cached)
 
     @property
     def fill_ids(self) -> list[int]:

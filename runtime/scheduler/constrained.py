@@ -161,9 +161,6 @@ class Constrained:
                     self.served_by[compiled.backend.name] += 1
                     self.cache_hits += compiled.cached
                 req.grammar = RequestGrammar(compiled, self.end_list)
-                # NOTE: to the grammar's end, not to this poll: a step that ran meanwhile held
-                # up every request that came during it, constrained or not
-                req.grammar.wait_s = max(compiled.ready_at - req.created, 0.0)
                 ready.append(req)
             except Exception as exc:  # GrammarError, or a matcher the backend cannot build
                 self.output.finish(req, FinishReason("abort", message=str(exc), status=400))
