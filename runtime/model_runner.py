@@ -17,6 +17,7 @@ from weft.runtime.loaders.fp8_plan import apply_fp8, fp8_text, resolve_fp8
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
 from weft.runtime.model_config import ModelConfig
+from weft.runtime.models.cpu_gemm import F32_MIN_ROWS, widen_bf16_gemm
 from weft.runtime.models.fp8 import FP8Weight
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
 from weft.runtime.models.registry import model_class
@@ -33,9 +34,9 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     stored = _DTYPES.get(model.torch_dtype or "", torch.bfloat16)
     if device.type == "cpu" and stored == torch.float16:
         return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has the same storage cost
-    # NOTE: bf16 on a CPU without bf16 in hardware too, for now: float32 there prefills faster
-    # but decodes at half the speed (weights read twice the bytes; issue 21 has the numbers),
-    # and every default-model output the tests pin would move. The start log says which.
+    # NOTE: bf16 on a CPU without bf16 in hardware too: decode reads the weights (half the
+    # bytes of float32: twice the speed), and prefill's products run in float32 there
+    # (models/cpu_gemm.py), so float32 activations would gain nothing. The start log says which.
     return stored
 
 
@@ -44,8 +45,14 @@ def _activation_text(dtype: torch.dtype, device: torch.device) -> str:
     if device.type != "cpu":
         return f"activations {name}"
     flags = cpu_bf16_flags()
-    hardware = f"bf16 in hardware: {', '.join(flags)}" if flags else "no bf16 in hardware"
-    return f"activations {name} (CPU {hardware})"
+    if flags:
+        return f"activations {name} (CPU bf16 in hardware: {', '.join(flags)})"
+    if dtype == torch.bfloat16 and widen_bf16_gemm():
+        return (
+            f"activations {name}, products of {F32_MIN_ROWS}+ rows in float32 "
+            "(CPU without bf16 in hardware)"
+        )
+    return f"activations {name} (CPU without bf16 in hardware)"
 
 
 def _weights_text(

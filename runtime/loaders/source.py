@@ -71,7 +71,7 @@ def _on_cuda(config: EngineConfig) -> bool:
 
 def _gguf_dtype(config: EngineConfig) -> torch.dtype:
     """The converted folder's dtype: the configured one; auto: bfloat16 (as model_runner's
-    resolve_dtype: on every CPU for now, see there)."""
+    resolve_dtype: on every CPU, see there)."""
     import torch
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.runtime.model_config import Fp8Checkpoint
+from weft.runtime.models.cpu_gemm import f32_linear, wants_f32
 from weft.runtime.models.fp8 import FP8_DTYPE, FP8Weight, merge_shards, quantize_weight
 from weft.runtime.parallel import SINGLE, RankSlice, TPGroup
 
@@ -49,6 +50,8 @@ def linear(
         if x.device.type == "cpu":
             out = torch.mv(weight, x[0]).unsqueeze(0)
             return out if bias is None else out + bias
+    if wants_f32(x):
+        return f32_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -121,7 +124,7 @@ class QuantWeight(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
         if self.dense is not None and x.shape[0] > QUANT_MAX_ROWS:
-            return F.linear(x, self.dense, bias)
+            return f32_linear(x, self.dense, bias) if wants_f32(x) else F.linear(x, self.dense, bias)
         x = x.contiguous()  # NOTE: both kernels read x as a dense [M, K] matrix
         if self.form == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
