@@ -60,15 +60,29 @@ def fp8_weights(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FP8Weight)]
 
 
+def quant_weights(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's linear weights kept GGUF-quantized (quantization gguf)."""
+    from weft.runtime.models.layers import QuantWeight
+
+    return [m for m in model.modules() if isinstance(m, QuantWeight)]
+
+
 def decode_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
     """Bytes one decode step of `batch` tokens must read: every parameter except an untied
     embedding table; of a mixture of experts, only the experts the batch is expected to pick."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    # FP8 linear weights are buffers (e4m3 values and float32 scales), not parameters
+    # FP8 linear weights are buffers (e4m3 values and float32 scales), not parameters; so are
+    # GGUF weights kept quantized (packed values and scales; their dense copy serves prefill)
     total += sum(b.numel() * b.element_size() for m in fp8_weights(model) for b in m.buffers())
+    total += sum(
+        b.numel() * b.element_size()
+        for m in quant_weights(model)
+        for name, b in m.named_buffers()
+        if name != "dense"
+    )
     embed = model.embed_tokens.weight
     tied = getattr(model, "lm_head", None) is None
-    if not tied:
+    if not tied and isinstance(embed, torch.Tensor):
         total -= embed.numel() * embed.element_size()
     for p in expert_params(model):
         cfg = model.config  # type: ignore[union-attr]
