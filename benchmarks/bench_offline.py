@@ -30,8 +30,10 @@ from common import (
     copy_bandwidth,
     decode_weight_bytes,
     describe_device,
+    linear_macs_per_token,
     random_prompts,
     shared_prefix_prompts,
+    sync_device,
 )
 
 PROGRESS_EVERY_S = 15.0
@@ -104,6 +106,37 @@ def single_stream_decode(engine: Engine, vocab: int, output_len: int) -> float:
     return out["meta_info"]["completion_tokens"] / (time.perf_counter() - t)
 
 
+def prefill_rate(engine: Engine, vocab: int, length: int) -> float:
+    """Prompt tokens a second of one prompt of `length` tokens alone (best of 2, cache off)."""
+    prompt = random_prompts(1, length, vocab, seed=98)[0]
+    params = {"temperature": 0, "max_new_tokens": 1}
+    best = float("inf")
+    for _ in range(2):
+        engine.flush_cache()
+        t = time.perf_counter()
+        engine.generate(input_ids=prompt, sampling_params=params)
+        best = min(best, time.perf_counter() - t)
+    return length / best
+
+
+def plain_matmul_gflops(
+    rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device
+) -> float:
+    """GFLOP/s of torch's own [rows, k] x [k, n] product in `dtype` (best of 5): the processor's
+    matmul rate, beside which the prefill's is read."""
+    x = torch.randn(rows, k, device=device).to(dtype)
+    w = torch.randn(n, k, device=device).to(dtype)
+    torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(5):
+        sync_device(device)
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        sync_device(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * rows * n * k / best / 1e9
+
+
 def hf_single_stream(
     folder: str, dtype: torch.dtype, device: torch.device, vocab: int, output_len: int
 ) -> float:
@@ -138,6 +171,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128, help="prompt (or question) tokens")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prefill-len", type=int, default=512, help="the prefill rate's prompt")
     p.add_argument("--groups", type=int, default=2, help="shared-prefix: number of groups")
     p.add_argument("--system-len", type=int, default=512, help="shared-prefix: prefix tokens")
     p.add_argument("--compare-no-cache", action="store_true")
@@ -182,6 +216,8 @@ def main() -> None:
             bw = copy_bandwidth(device)
             weight_bytes = decode_weight_bytes(engine.runner.model)
             single = single_stream_decode(engine, vocab, args.output_len)
+            prefill = prefill_rate(engine, vocab, args.prefill_len)
+            macs = linear_macs_per_token(engine.runner.model)
             config = engine.model_config
             dtype = str(engine.runner.dtype).removeprefix("torch.")
             torch_dtype, folder = engine.runner.dtype, str(engine.source.folder)
@@ -219,6 +255,21 @@ def main() -> None:
         f"single    : {single_fresh:.1f} tok/s decode ({single_fresh / roof:.2f}x the roofline) "
         f"before the batch run; {single:.1f} tok/s after it"
     )
+    if macs:
+        rows = min(args.prefill_len, args.chunked_prefill_size)
+        shape = (2 * config.intermediate_size, config.hidden_size)
+        plain = {
+            str(dt).removeprefix("torch."): plain_matmul_gflops(rows, *shape, dt, device)
+            for dt in dict.fromkeys((torch_dtype, torch.float32))
+        }
+        rate = prefill * 2 * macs / 1e9
+        best = max(plain.values())
+        listed = ", ".join(f"{name} {g:.1f}" for name, g in plain.items())
+        print(
+            f"prefill   : {args.prefill_len}-token prompt alone, {prefill:.1f} tok/s = {rate:.1f} "
+            f"GFLOP/s in the linear layers ({rate / best:.2f}x the plain matmul: {rows} x "
+            f"{shape[1]} @ {shape[1]} x {shape[0]}, {listed} GFLOP/s)"
+        )
     if hf is not None:
         print(
             f"HF        : {hf:.1f} tok/s decode, same weights and dtype "
@@ -246,6 +297,7 @@ def main() -> None:
             "single_stream_tok_s": single,
             "single_stream_fresh_tok_s": single_fresh,
             "roofline_tok_s": roof,
+            "prefill_tok_s": prefill,
             "copy_gb_s": bw,
         }
         with open(args.json_out, "a") as f:

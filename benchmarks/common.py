@@ -67,6 +67,24 @@ def quant_weights(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, QuantWeight)]
 
 
+def linear_macs_per_token(model: torch.nn.Module) -> int:
+    """Multiply-adds of one token through the model's linear layers, lm_head excluded (a
+    prefill computes logits for its last token only); 0 for a mixture of experts."""
+    from weft.runtime.models.layers import ColumnLinear, RowLinear
+
+    if expert_params(model):
+        return 0
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnLinear, RowLinear)):
+            weight = module.weight
+            if isinstance(weight, torch.Tensor):
+                total += weight.numel()
+            else:
+                total += weight.out_features * weight.in_features
+    return total
+
+
 def decode_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
     """Bytes one decode step of `batch` tokens must read: every parameter except an untied
     embedding table; of a mixture of experts, only the experts the batch is expected to pick."""
