@@ -14,6 +14,8 @@ from weft.runtime.config import EngineConfig, option
 from weft.runtime.server.reasoning import REASONING_PARSERS, ReasoningFormat, reasoning_format
 
 DEFAULT_PORT = 30000
+# sglang-router's policies (--router-policy)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,19 @@ class ServerConfig(EngineConfig):
         30.0, "on SIGTERM, seconds running requests get to finish before they fail (0 = at once)"
     )
 
+    dp_size: int = option(
+        1,
+        "data parallelism: this many replicas of the server behind sglang-router (pip install "
+        "'weft[router]'), which listens on --host / --port; on CUDA each replica takes its own "
+        "GPUs",
+    )
+    router_policy: str = option(
+        "cache_aware",
+        "with --dp-size: how sglang-router picks a replica (cache_aware: the one whose prefix "
+        "cache holds most of the prompt, unless loads drift apart)",
+        choices=ROUTER_POLICIES,
+    )
+
     watchdog_timeout: float = option(
         300.0,
         "seconds the scheduler may hold requests without a step before the server fails "
@@ -115,6 +130,8 @@ class ServerConfig(EngineConfig):
             raise ValueError("request_log must not be empty (omit it to turn the log off)")
         if self.log_prompts and self.request_log is None:
             raise ValueError("log_prompts needs request_log (the file the texts go to)")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         given = self.reasoning_start is not None or self.reasoning_end is not None

@@ -124,7 +124,9 @@ class QuantWeight(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
         if self.dense is not None and x.shape[0] > QUANT_MAX_ROWS:
-            return f32_linear(x, self.dense, bias) if wants_f32(x) else F.linear(x, self.dense, bias)
+            return (
+                f32_linear(x, self.dense, bias) if wants_f32(x) else F.linear(x, self.dense, bias)
+            )
         x = x.contiguous()  # NOTE: both kernels read x as a dense [M, K] matrix
         if self.form == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -101,8 +101,24 @@ def build_app(tm: TokenizerManager, api_keys: Mapping[str, str] | None = None) -
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # (sglang-router asks this first)
     async def get_model_info() -> Response:
         return json_response(_model_info(tm, chat))
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """SGLang's load report, one entry per data-parallel rank (weft: one): what a router's
+        load-based policies (power_of_two) read."""
+        tm.check_alive()
+        info = await tm.query(to_sched.GetServerInfo)
+        running, waiting = info["num_running"], info["num_waiting"]
+        load = {
+            "dp_rank": 0,
+            "num_reqs": running + waiting,
+            "num_waiting_reqs": waiting,
+            "num_tokens": info["kv_pool"]["in_use"],
+        }
+        return json_response([load])
 
     @app.post("/render_chat")
     async def render_chat(request: Request) -> Response:

@@ -187,6 +187,10 @@ class _Server(uvicorn.Server):
 
 def launch_server(config: ServerConfig) -> int:
     """Serve until SIGINT / SIGTERM. Returns the process exit code."""
+    if config.dp_size > 1:
+        from weft.runtime.server.data_parallel import launch_data_parallel
+
+        return launch_data_parallel(config)
     setup_logging(config.log_level)
     signals = _SignalGate()
     children = ChildProcesses()
