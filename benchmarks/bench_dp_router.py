@@ -7,7 +7,7 @@ prints, per run, the prefix-cache hit rate (cached / prompt tokens, from each an
 and the throughput; the baselines in the same run are round-robin over the same replicas and
 one replica alone (linear scaling = dp_size x its throughput).
 
-    python benchmarks/bench_dp_router.py --model-path tests/fixtures/models/stories260K-hf
+    python benchmarks/bench_dp_router.py --model-path ../shared/fixtures/models/stories260K-hf
     python benchmarks/bench_dp_router.py --model-path configs/llama-3.1-8b --load-format dummy \\
         --tokenizer-path tok/llama3 --groups 16 --per-group 16 --system-words 400
 """
