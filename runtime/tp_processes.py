@@ -41,7 +41,7 @@ logger = logging.getLogger("weft")
 # seen at once, by its sentinel). The control group waits without bound: it is where the ranks
 # wait for rank 0's next step, however long the server stays idle.
 TP_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=600)
-IDLE_WAIT = datetime.timedelta(days=3650)
+IDLE_WAIT = datetime.timedelta(days=3650)  # a rank learns that rank 0 died from its socket
 RANK_STOP_TIMEOUT_S = 10.0  # a rank told to stop exits within this, else it is killed
 
 
@@ -131,7 +131,7 @@ class RankProcesses:
         proc = self.procs[rank]
         proc.join(1.0)  # (the sentinel closes a moment before the exit code can be read)
         self.exited = f"tensor-parallel rank {rank} exited ({exit_status(proc.exitcode)})"
-        logger.error("%s", self.exited)
+        logger.log(logging.ERROR if proc.exitcode else logging.INFO, "%s", self.exited)
         if self._on_exit is not None:
             self._on_exit(self.exited)
 
