@@ -135,10 +135,19 @@ class RankProcesses:
         if self._on_exit is not None:
             self._on_exit(self.exited)
 
-    def stop(self) -> None:
-        """Join the ranks (told to stop already, or failed); kill those that do not exit."""
-        self._stopping = True
-        os.write(self._wake_w, b"x")
+    def expect_exit(self) -> None:
+        """The ranks are about to exit (told to stop): no longer a failure to report."""
+        if not self._stopping:
+            self._stopping = True
+            os.write(self._wake_w, b"x")
+
+    def stop(self, *, terminate: bool = False) -> None:
+        """Join the ranks (told to stop already, failed, or terminated here: SIGTERM ends a rank
+        at once); kill those that do not exit."""
+        self.expect_exit()
+        if terminate:
+            for proc in self.procs.values():
+                proc.terminate()
         deadline = time.monotonic() + RANK_STOP_TIMEOUT_S
         for rank, proc in self.procs.items():
             proc.join(max(deadline - time.monotonic(), 0.0))
@@ -153,7 +162,7 @@ class RankProcesses:
 
 class Rank0:
     """Rank 0's side of the group: the store the ranks meet at, this host's other rank
-    processes, and (once `start_model`) the driver the scheduler runs its steps through."""
+    processes, and rank 0's model behind the driver the scheduler runs its steps through."""
 
     def __init__(
         self,
@@ -172,38 +181,32 @@ class Rank0:
         )
         ranks = range(1, config.ranks_per_node)
         self.ranks = RankProcesses(config, source, ranks, (host, store.port), on_exit)
-        self.driver: TPDriver | None = None
+        self._closed = False
         try:
             self.link = join(config, 0, store)
+            try:
+                # (the other ranks build theirs meanwhile)
+                self.driver = TPDriver(ModelRunner(config, source, tp=self.link.tp), self.link)
+            except BaseException:
+                leave(self.link)
+                raise
         except BaseException:
-            self._kill()
+            self.ranks.stop(terminate=True)
             raise
-
-    def start_model(self, config: EngineConfig, source: ModelSource) -> ModelRunner:
-        """Build rank 0's model (the other ranks build theirs meanwhile)."""
-        try:
-            runner = ModelRunner(config, source, tp=self.link.tp)
-        except BaseException:
-            self._kill()
-            leave(self.link)
-            raise
-        self.driver = TPDriver(runner, self.link)
-        return runner
 
     def close(self) -> None:
         """Stop the ranks (they leave their loop and exit) and leave the group; once."""
-        if self.driver is None:
+        if self._closed:
             return
+        self._closed = True
+        self.ranks.expect_exit()
         if self.ranks.exited is None:
-            self.driver.stop()
-        self.driver = None
+            try:
+                self.driver.stop()
+            except RuntimeError as exc:  # a rank of another host is gone (its socket closed)
+                logger.warning("cannot tell every tensor-parallel rank to stop: %s", exc)
         self.ranks.stop()
         leave(self.link)
-
-    def _kill(self) -> None:
-        for proc in self.ranks.procs.values():
-            proc.terminate()
-        self.ranks.stop()
 
 
 def run_rank(
@@ -257,9 +260,6 @@ def serve_node(config: EngineConfig, source: ModelSource) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if procs.exited is None:  # a signal: the ranks were not told to stop
-            for proc in procs.procs.values():
-                proc.terminate()
-        procs.stop()
+        procs.stop(terminate=procs.exited is None)  # (a signal: the ranks were not told to stop)
     codes = [proc.exitcode for proc in procs.procs.values()]
     return 0 if all(code in (0, -signal.SIGTERM) for code in codes) else 1

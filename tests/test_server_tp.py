@@ -1,7 +1,7 @@
 """`weft serve --tp-size 2` on CPUs (two gloo ranks): the greedy outputs of one rank (the
 in-process Engine with the same settings) through prefix-cache hits, chunked prefill, retraction,
 prompt logprobs and a JSON schema; a dead rank fails the server with its reason; no rank process
-outlives the server; two "hosts" on 127.0.0.1 (--nnodes 2) serve a second architecture; what
+outlives the server (nor the in-process Engine); two "hosts" on 127.0.0.1 (--nnodes 2) serve a second architecture; what
 cannot be split is refused before any rank starts."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from weft.runtime.tp_processes import check_tp
 
 from conftest import make_engine
 from hf_models import VOCAB, save_random_model
-from server_utils import ServerProcess, checkout_env
+from server_utils import ServerProcess, checkout_env, checkout_path
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -207,6 +207,22 @@ def test_two_hosts_serve_one_ranks_outputs_and_stop_together(hf_folder):
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def test_an_engine_of_two_ranks_gives_one_ranks_outputs_and_stops_its_rank(
+    stories_dir, one_rank, monkeypatch
+):
+    monkeypatch.syspath_prepend(checkout_path())  # (the spawned rank imports weft from it)
+    engine = make_engine(stories_dir, tp_size=2, **SETTINGS)
+    try:
+        (rank1,) = engine.scheduler.tp.ranks.procs.values()
+        body, _ = REQUESTS[0]
+        out = engine.generate(body["text"], body["sampling_params"])
+        assert out["output_ids"] == one_rank[0]["output_ids"]
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    assert rank1.exitcode == 0  # told to stop, it left its loop (not killed)
 
 
 def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(stories_dir):

@@ -71,7 +71,7 @@ def build_scheduler(
     else:
         check_tp(config, model)
         tp = Rank0(config, source, on_rank_exit)
-        runner = tp.start_model(config, source)
+        runner = tp.driver.runner
     end_ids = end_token_ids(tokenizer, runner.model_config, source.folder)
     return Scheduler(config, runner, tokenizer, end_ids, tp=tp)
 
@@ -90,10 +90,7 @@ class Scheduler:
         self.tp = tp
         # what runs the steps: the runner, or under tensor parallelism the driver that has the
         # other ranks run each step too
-        self.executor: ModelRunner | TPDriver = runner
-        if tp is not None:
-            assert tp.driver is not None, "the ranks' model is not started"
-            self.executor = tp.driver
+        self.executor: ModelRunner | TPDriver = runner if tp is None else tp.driver
         self.tokenizer = tokenizer
         self.end_ids = end_ids
         self.chunk_size = config.chunked_prefill_size or default_chunk_size(runner.device)
