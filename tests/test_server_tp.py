@@ -15,8 +15,10 @@ import time
 import psutil
 import pytest
 import requests
+import torch
 import torch.distributed as dist
 
+from weft.runtime import tp_processes
 from weft.runtime.config import EngineConfig
 from weft.runtime.loaders.source import gguf_quantized
 from weft.runtime.model_config import ModelConfig
@@ -230,24 +232,23 @@ def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(stories_d
         make_engine(stories_dir, tp_size=3)
 
 
-def test_what_tensor_parallelism_cannot_run_is_refused(stories_dir):
+def test_what_tensor_parallelism_cannot_run_is_refused(stories_dir, monkeypatch):
     model = ModelConfig.from_folder(stories_dir)
     check_tp(EngineConfig(tp_size=4, device="cpu"), model)  # 8 heads, 4 KV heads: splits
     with pytest.raises(ValueError, match=r"num_attention_heads \(8\) does not split over 16"):
         check_tp(EngineConfig(tp_size=16, device="cpu"), model)
+    with monkeypatch.context() as patch:  # a host of one GPU
+        patch.setattr(tp_processes, "resolve_device", lambda config: torch.device("cuda"))
+        patch.setattr(torch.cuda, "device_count", lambda: 1)
+        with pytest.raises(ValueError, match="2 tensor-parallel ranks on this host need as many"):
+            check_tp(EngineConfig(tp_size=2), model)
     with pytest.raises(ValueError, match="cannot be split over tensor-parallel ranks yet"):
-        gguf_quantized(EngineConfig(tp_size=2, quantization="gguf", device="cpu"), _bf16())
+        gguf_quantized(EngineConfig(tp_size=2, quantization="gguf", device="cpu"), torch.bfloat16)
     # auto dequantizes under tensor parallelism (quantized weights would not split)
-    assert not gguf_quantized(EngineConfig(tp_size=2, device="cpu"), _bf16())
+    assert not gguf_quantized(EngineConfig(tp_size=2, device="cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match=r"tp_size \(3\) must be a multiple of nnodes \(2\)"):
         EngineConfig(tp_size=3, nnodes=2, dist_init_addr="h:1")
     with pytest.raises(ValueError, match="nnodes > 1 needs dist_init_addr"):
         EngineConfig(tp_size=2, nnodes=2)
     with pytest.raises(ValueError, match="dist_init_addr must be host:port"):
         EngineConfig(tp_size=2, dist_init_addr="host")
-
-
-def _bf16():
-    import torch
-
-    return torch.bfloat16
