@@ -129,6 +129,25 @@ class EngineConfig:
         "record per-step timings (forward, grammar mask fill and accepts, sampling; CUDA events "
         "on a GPU) for benchmarks: Engine.scheduler.profile.take() (benchmarks/bench_constrained.py)",
     )
+    tp_size: int = option(
+        1,
+        "tensor-parallel ranks: the model split over this many processes (one GPU each on "
+        "CUDA; gloo on the CPU), driven by one scheduler",
+    )
+    nnodes: int = option(
+        1, "hosts the tensor-parallel ranks span (tp_size / nnodes ranks on each, in order)"
+    )
+    node_rank: int = option(
+        0,
+        "this host's index among nnodes: 0 serves HTTP and schedules; the others only run "
+        "their ranks",
+    )
+    dist_init_addr: str | None = option(
+        None,
+        "host:port where node 0 meets the other ranks (torch.distributed's TCP store, as "
+        "torchrun's --master-addr and --master-port); needed with nnodes > 1 (default on one "
+        "host: a free local port)",
+    )
     random_seed: int = option(0, "seed for requests that set none")
     cache_dir: str | None = option(None, "where converted GGUF models live (default ~/.cache/weft)")
     num_threads: int | None = option(None, "CPU threads for torch")
@@ -175,8 +194,31 @@ class EngineConfig:
             )
         if not self.grammar_race_budget >= 0:
             raise ValueError(f"grammar_race_budget must be >= 0, got {self.grammar_race_budget}")
+        self._check_parallel()
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): every "
+                "host runs as many ranks"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def request_limits(self) -> RequestLimits:

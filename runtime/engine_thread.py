@@ -100,6 +100,7 @@ class EngineThread:
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        self.scheduler.close()
 
     def _submit(
         self,

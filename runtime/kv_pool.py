@@ -83,6 +83,9 @@ class ReqToTokenPool:
         )
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
+        # tensor parallelism, rank 0: `write`s not yet replayed on the other ranks, flat as
+        # [row, start, n, n slots, ...] (tp_driver); None: nobody follows this pool
+        self.journal: list[int] | None = None
 
     @property
     def num_free(self) -> int:
@@ -100,6 +103,8 @@ class ReqToTokenPool:
         """Slots of positions [start, start + len(slots)) of a row, on the host and the device."""
         end = start + slots.numel()
         self._host[row, start:end] = slots
+        if self.journal is not None:
+            self.journal += [row, start, end - start, *slots.tolist()]
         if self._host is not self.req_to_token:
             self.req_to_token[row, start:end] = slots.to(
                 self.req_to_token.device, non_blocking=True

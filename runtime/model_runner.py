@@ -264,6 +264,8 @@ class ModelRunner:
         return self.model(batch, self.attention)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[K, hidden] -> [K, vocab] float32."""
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[K, hidden] -> [K, vocab] float32; rows: of hidden, [n] -> [n, vocab]."""
+        if rows is not None:
+            hidden = hidden[rows]
         return self.model.compute_logits(hidden)  # type: ignore[operator]

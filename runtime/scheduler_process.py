@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
@@ -36,6 +37,7 @@ logger = logging.getLogger("weft")
 
 IDLE_POLL_MS = 500  # while idle, wake up this often to check that the parent is alive
 HEARTBEAT_S = 1.0  # how often the process tells the server it is alive (and its progress)
+RANK_EXIT_GRACE_S = 1.0  # a failed step waits this long for the rank watch's reason
 
 
 class _NoTextDecoder:
@@ -66,10 +68,16 @@ class _Progress:
 
 
 class SchedulerService:
-    def __init__(self, config: ServerConfig, source: ModelSource) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        source: ModelSource,
+        *,
+        on_rank_exit: Callable[[str], None] | None = None,
+    ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.scheduler = build_scheduler(config.engine_config, source)
+        self.scheduler = build_scheduler(config.engine_config, source, on_rank_exit=on_rank_exit)
         self.runner = self.scheduler.runner
         self.has_tokenizer = self.scheduler.tokenizer is not None
         self.source = source
@@ -224,6 +232,7 @@ class SchedulerService:
             "num_requests": self.num_requests,
             "num_aborted": self.num_aborted,
             "radix_cache": s.memory.cache.enabled,
+            **({} if s.tp is None else {"tp_rank_pids": s.tp.ranks.pids}),
         }
 
     def metrics(self) -> dict[str, Any]:
@@ -279,6 +288,23 @@ class HeartbeatThread:
         self._thread.join()
 
 
+def _rank_exit_report(ipc: IpcNames) -> Callable[[str], None]:
+    """What the scheduler process does when a tensor-parallel rank exits: tell the server why
+    (it fails every request and /health) and exit. Called from the rank watch's thread."""
+
+    def report(why: str) -> None:
+        # NOTE: the main thread may be blocked in a collective with the dead rank (NCCL waits
+        # until its timeout): this thread ends the process, with its own socket
+        ctx = zmq.Context()
+        sock = push_socket(ctx, ipc.tokenizer)
+        sock.send(to_tm.encoder.encode(Fatal("scheduler", why)))
+        sock.close(linger=1000)
+        ctx.term()  # (waits for the message to leave, up to the linger)
+        exit_now(1)
+
+    return report
+
+
 def run_scheduler_process(
     config: ServerConfig, source: ModelSource, ipc: IpcNames, parent_pid: int
 ) -> None:
@@ -287,9 +313,10 @@ def run_scheduler_process(
     ctx = zmq.Context()
     inbox = pull_socket(ctx, ipc.scheduler)
     outbox = push_socket(ctx, ipc.detokenizer)
+    service: SchedulerService | None = None
     try:
         started = time.perf_counter()
-        service = SchedulerService(config, source)
+        service = SchedulerService(config, source, on_rank_exit=_rank_exit_report(ipc))
         outbox.send(to_detok.encoder.encode(Ready(service.model_info())))
         logger.info("scheduler ready in %.1f s", time.perf_counter() - started)
         heartbeat = HeartbeatThread(ctx, ipc.tokenizer, service.scheduler)
@@ -297,10 +324,15 @@ def run_scheduler_process(
             service.serve(inbox, outbox, ParentWatch(parent_pid))
         finally:
             heartbeat.stop()
+            service.scheduler.close()
     except SystemExit:  # SIGTERM: the server is stopping
         pass
     except Exception as exc:  # reported to the server, then the process exits
         logger.exception("scheduler failed")
+        if service is not None and service.scheduler.tp is not None:
+            # NOTE: a collective fails when a rank dies: the rank watch reports that, the
+            # clearer reason, and ends this process within this grace
+            time.sleep(RANK_EXIT_GRACE_S)
         outbox.send(to_detok.encoder.encode(Fatal("scheduler", f"{type(exc).__name__}: {exc}")))
         outbox.close(linger=1000)  # let the message leave before the process ends
         exit_now(1)

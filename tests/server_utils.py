@@ -6,16 +6,19 @@ is ever guessed. Teardown sends SIGTERM and checks that no child process is left
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -35,6 +38,23 @@ def schedule_args(schedule: str) -> list[str]:
     return {"plain": ["--disable-overlap-schedule"], "overlap": ["--enable-overlap-schedule"]}[
         schedule
     ]
+
+
+@functools.cache
+def checkout_path() -> str:
+    """A folder that holds only `weft`, linked to this checkout's: on a server's PYTHONPATH, its
+    processes import the weft under test (not an installed one), and the checkout's root, which
+    weft takes off sys.path (weft._unshadow), is not needed there."""
+    folder = Path(tempfile.mkdtemp(prefix="weft-path-"))
+    (folder / "weft").symlink_to(Path(__file__).resolve().parents[1] / "weft")
+    return str(folder)
+
+
+def checkout_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process that must run this checkout's weft (`checkout_path`)."""
+    merged = {**os.environ, **(env or {})}
+    paths = [checkout_path(), *filter(None, merged.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**merged, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 class ServerProcess:
@@ -57,7 +77,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
+            env=checkout_env(env),
         )
         self.lines: list[str] = []
         self._ready = threading.Event()

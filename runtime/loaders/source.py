@@ -96,8 +96,13 @@ def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
         raise ValueError("quantization 'gguf' runs on the CPU only; on CUDA use 'none'")
     if choice == "gguf" and dtype != torch.bfloat16:
         raise ValueError(f"quantization 'gguf' computes in bfloat16, dtype is {dtype}")
+    if choice == "gguf" and config.tp_size > 1:
+        raise ValueError(
+            "quantization 'gguf' keeps the weights quantized, which cannot be split over "
+            "tensor-parallel ranks yet: use quantization none (or auto), or tp_size 1"
+        )
     hardware = bool(cpu_bf16_flags())
-    auto = not cuda and hardware and dtype == torch.bfloat16
+    auto = not cuda and hardware and dtype == torch.bfloat16 and config.tp_size == 1
     quantized = choice == "gguf" or (choice == "auto" and auto)
     why = {
         "gguf": "as configured",
@@ -105,7 +110,13 @@ def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
         "auto": "auto: a CPU with bf16 in hardware"
         if quantized
         else (
-            "auto: CUDA" if cuda else "auto: no bf16 in hardware" if not hardware else "auto: dtype"
+            "auto: CUDA"
+            if cuda
+            else "auto: no bf16 in hardware"
+            if not hardware
+            else "auto: tensor parallelism"
+            if config.tp_size > 1
+            else "auto: dtype"
         ),
     }[choice]
     state = "kept quantized (int4 / int8)" if quantized else f"dequantized to {dtype}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -36,6 +37,8 @@ from weft.runtime.scheduler.overlap import (
 )
 from weft.runtime.scheduler.step_profile import step_profile
 from weft.runtime.tokenizer import load_tokenizer
+from weft.runtime.tp_driver import TPDriver
+from weft.runtime.tp_processes import Rank0, check_tp
 
 PROMPT_LOGITS_CHUNK = 256  # rows of [rows, vocab] float32 logits computed at once
 
@@ -51,13 +54,26 @@ class Sampling:
     masks: MaskJob | None
 
 
-def build_scheduler(config: EngineConfig, source: ModelSource) -> Scheduler:
-    """The scheduler with all it owns: tokenizer, model runner (weights, KV pool), end ids."""
-    ModelConfig.from_folder(source.folder)  # a bad config.json fails before anything loads
+def build_scheduler(
+    config: EngineConfig,
+    source: ModelSource,
+    *,
+    on_rank_exit: Callable[[str], None] | None = None,
+) -> Scheduler:
+    """The scheduler with all it owns: tokenizer, model runner (weights, KV pool), end ids;
+    with tp_size > 1, this host's other ranks too (this process is rank 0: `close` stops them;
+    `on_rank_exit(why)` is called from a thread when one exits before that)."""
+    model = ModelConfig.from_folder(source.folder)  # a bad config.json fails before any load
     tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
-    runner = ModelRunner(config, source)
+    tp = None
+    if config.tp_size == 1:
+        runner = ModelRunner(config, source)
+    else:
+        check_tp(config, model)
+        tp = Rank0(config, source, on_rank_exit)
+        runner = tp.driver.runner
     end_ids = end_token_ids(tokenizer, runner.model_config, source.folder)
-    return Scheduler(config, runner, tokenizer, end_ids)
+    return Scheduler(config, runner, tokenizer, end_ids, tp=tp)
 
 
 class Scheduler:
@@ -67,8 +83,14 @@ class Scheduler:
         runner: ModelRunner,
         tokenizer: PreTrainedTokenizerBase | None,
         end_ids: frozenset[int],
+        *,
+        tp: Rank0 | None = None,
     ) -> None:
         self.runner = runner
+        self.tp = tp
+        # what runs the steps: the runner, or under tensor parallelism the driver that has the
+        # other ranks run each step too
+        self.executor: ModelRunner | TPDriver = runner if tp is None else tp.driver
         self.tokenizer = tokenizer
         self.end_ids = end_ids
         self.chunk_size = config.chunked_prefill_size or default_chunk_size(runner.device)
@@ -194,7 +216,7 @@ class Scheduler:
         failed = self._sample()  # the previous step's: its masks were filled meanwhile
         prev = self._inflight
         batch.feed_pending(prev.ids if prev is not None else None)
-        hidden = self.runner.forward(batch)
+        hidden = self.executor.forward(batch)
         self.profile.mark("forward")
         self.profile.count("tokens", batch.num_tokens)
         for plan in plans:
@@ -230,10 +252,11 @@ class Scheduler:
             rows, reqs, drafts = self._sampling_rows(plans)
         if not reqs:
             return
+        index = None
         if rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order
-            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            index = torch.tensor(rows, device=hidden.device)
         self.profile.mark("host")
-        logits = self.runner.logits(hidden)
+        logits = self.executor.logits(hidden, index)
         self.profile.mark("logits")
         # NOTE: the masks are filled while the device computes the forward and the logits
         # (launched, not awaited), and under the overlap schedule while the host lays out the
@@ -314,7 +337,7 @@ class Scheduler:
         for lo in range(0, len(plan.prompt_rows), PROMPT_LOGITS_CHUNK):
             rows = plan.prompt_rows[lo : lo + PROMPT_LOGITS_CHUNK]
             index = torch.tensor(rows, device=hidden.device)
-            logprobs = torch.log_softmax(self.runner.logits(hidden[index]), dim=-1)
+            logprobs = torch.log_softmax(self.executor.logits(hidden, index), dim=-1)
             positions = plan.prompt_positions[lo : lo + PROMPT_LOGITS_CHUNK]
             self.output.record_prompt_logprobs(plan.req, logprobs, positions)
 
@@ -356,6 +379,11 @@ class Scheduler:
             if not req.hidden:
                 self.output.mark_reported(req)
                 self._updates.append(req)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- audits ---------------------------------------------------------------------------
 

@@ -20,3 +20,9 @@ def detokenizer_main(*args: Any) -> None:
     from weft.runtime.detokenizer_process import run_detokenizer_process
 
     run_detokenizer_process(*args)
+
+
+def rank_main(*args: Any) -> None:
+    from weft.runtime.tp_processes import run_rank
+
+    run_rank(*args)

@@ -83,7 +83,10 @@ class ChildProcesses:
             ("detokenizer", detokenizer_main, detokenizer_args),
         ]
         for name, target, args in targets:
-            proc = ctx.Process(target=target, args=args, name=f"weft-{name}", daemon=True)
+            # NOTE: a daemon process may start no process: the scheduler of tensor-parallel
+            # ranks starts them (and stops them, or they exit with it: tp_processes)
+            daemon = name != "scheduler" or config.tp_size == 1
+            proc = ctx.Process(target=target, args=args, name=f"weft-{name}", daemon=daemon)
             proc.start()
             self.procs.append((name, proc))
 
@@ -197,10 +200,18 @@ def launch_server(config: ServerConfig) -> int:
     ipc: IpcNames | None = None
     ctx = zmq.Context()
     model = config.model_path or "the embedded default model"
-    print(f"weft: loading {model}; will listen on http://{config.host}:{config.port}", flush=True)
+    if config.node_rank == 0:
+        print(
+            f"weft: loading {model}; will listen on http://{config.host}:{config.port}", flush=True
+        )
     try:
         api_keys = load_api_keys(config)  # a bad keys file fails before the model loads
         source = resolve_source(config.engine_config)
+        if config.node_rank > 0:
+            from weft.runtime.tp_processes import serve_node
+
+            signals.serving = True  # serve_node handles SIGINT / SIGTERM
+            return serve_node(config.engine_config, source)
         ipc = IpcNames.create()
         inbox = pull_socket(ctx, ipc.tokenizer)
         children.start(config, source, ipc)
