@@ -132,6 +132,11 @@ class ServerConfig(EngineConfig):
             raise ValueError("log_prompts needs request_log (the file the texts go to)")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError(
+                "dp_size starts its replicas on this host; for replicas on several hosts, "
+                "start weft serve on each and sglang-router in front of them (README)"
+            )
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         given = self.reasoning_start is not None or self.reasoning_end is not None

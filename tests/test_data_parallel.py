@@ -85,3 +85,12 @@ def test_a_dead_replica_stops_the_group(stories_dir):
     assert "replica" in srv.output and "exited with status" in srv.output
     assert srv.stop() == 1  # (no process of the group is left: stop() checks)
     assert not psutil.pid_exists(replica.pid) or replica.status() == psutil.STATUS_ZOMBIE
+
+
+def test_replicas_on_several_hosts_are_refused():
+    from weft.runtime.server_config import ServerConfig
+
+    with pytest.raises(ValueError, match="dp_size starts its replicas on this host"):
+        ServerConfig(dp_size=2, tp_size=2, nnodes=2, dist_init_addr="127.0.0.1:29500")
+    with pytest.raises(ValueError, match="dp_size must be >= 1"):
+        ServerConfig(dp_size=0)

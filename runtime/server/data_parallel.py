@@ -106,7 +106,7 @@ def _replica_env(config: ServerConfig, rank: int) -> dict[str, str]:
 
     if not torch.cuda.is_available():
         return {}
-    tp = getattr(config, "tp_size", 1)
+    tp = config.tp_size
     count = torch.cuda.device_count()
     if count < config.dp_size * tp:
         raise ValueError(
