@@ -6,12 +6,14 @@ is ever guessed. Teardown sends SIGTERM and checks that no child process is left
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +23,23 @@ from typing import Any
 import psutil
 import requests
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"weft: ready, serving .* at (http://[^ ]+) ")
 STARTUP_TIMEOUT_S = 180.0
+
+
+@functools.cache
+def _python_path() -> str:
+    """A folder holding only a link to this checkout's weft, ahead of PYTHONPATH.
+
+    NOTE: the server's processes must import weft from this checkout, not from wherever an
+    editable install points (another worktree). The checkout's root itself cannot go on the
+    path: weft takes it off (weft/__init__.py `_unshadow`), and its spawned children then import
+    the installed copy."""
+    folder = tempfile.mkdtemp(prefix="weft-checkout-")
+    os.symlink(os.path.join(CHECKOUT, "weft"), os.path.join(folder, "weft"))
+    rest = os.environ.get("PYTHONPATH")
+    return folder if not rest else f"{folder}{os.pathsep}{rest}"
 
 
 def stories_args(stories_dir: Any, *extra: str) -> list[str]:
@@ -57,7 +74,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "PYTHONPATH": _python_path(), **(env or {})},
         )
         self.lines: list[str] = []
         self._ready = threading.Event()

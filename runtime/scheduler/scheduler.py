@@ -34,6 +34,7 @@ from weft.runtime.scheduler.overlap import (
     overlap_schedule,
     read_tokens,
 )
+from weft.runtime.scheduler.speculative import Speculative
 from weft.runtime.scheduler.step_profile import step_profile
 from weft.runtime.tokenizer import load_tokenizer
 
@@ -77,7 +78,8 @@ class Scheduler:
             runner.kv_pool, runner.req_to_token, use_cache=not config.disable_radix_cache
         )
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
-        self.constrained = Constrained(config, runner, self.output, self.memory)
+        self.constrained = Constrained(config, runner, self.output)
+        self.speculative = Speculative(config, self.memory, self.output)
         self.constrained.prepare()  # the grammar backends, built in the background from now
         self.arrivals = Arrivals(config.random_seed, self.constrained, self.memory.cache.enabled)
         self.admission = Admission(
@@ -111,9 +113,10 @@ class Scheduler:
 
     @config.setter
     def config(self, config: EngineConfig) -> None:
-        # NOTE: tests and benchmarks swap it between runs (jump-forward, grammar timeouts); the
-        # admission limits and the grammar manager stay as built
+        # NOTE: tests and benchmarks swap it between runs (jump-forward, speculation, grammar
+        # timeouts); the admission limits and the grammar manager stay as built
         self.constrained.config = config
+        self.speculative.config = config
 
     @property
     def grammars(self) -> GrammarManager:
@@ -332,7 +335,7 @@ class Scheduler:
         self.profile.mark("readback")
         start = time.perf_counter()
         early = (lambda: self._start_early(plans)) if plans is not None else None
-        got = read_tokens(flight, self.constrained, early)
+        got = read_tokens(flight, self.constrained, self.speculative, early)
         self.profile.host("accept_s", start)
         self.profile.mark("accept")
         for req in got:
