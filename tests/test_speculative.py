@@ -283,3 +283,35 @@ def test_json_schema_with_speculation_on_the_default_model():
     m = spec["meta_info"]
     assert m["jump_forward_tokens"] > 0 and m["spec_verify_ct"] > 0
     assert _accepted([spec]) > 0  # the values repeat the text's words
+
+
+# ---- through the server -------------------------------------------------------------------
+
+
+def test_server_reports_speculation(stories_dir, stories_server):
+    from server_utils import ServerProcess, stories_args
+
+    srv = ServerProcess(
+        *stories_args(stories_dir, "--speculative-algorithm", "ngram"), "--enable-metrics"
+    )
+    try:
+        body = {"text": STORIES[1], "sampling_params": GREEDY}
+        spec = srv.generate(body)
+        plain = stories_server.generate(body)
+        opted_out = srv.generate({**body, "sampling_params": {**GREEDY, "speculative": False}})
+        assert spec["output_ids"] == plain["output_ids"] == opted_out["output_ids"]
+        assert spec["text"] == plain["text"]
+        assert SPEC_KEYS <= set(spec["meta_info"]) and _accepted([spec]) > 0
+        assert SPEC_KEYS.isdisjoint(plain["meta_info"]) and SPEC_KEYS.isdisjoint(
+            opted_out["meta_info"]
+        )
+        metrics = srv.get("/metrics").text
+        verified = [
+            line for line in metrics.splitlines() if line.startswith("weft:spec_verify_ct_total")
+        ]
+        assert verified == [
+            f"weft:spec_verify_ct_total {float(spec['meta_info']['spec_verify_ct'])}"
+        ]
+        srv.assert_kv_intact()
+    finally:
+        assert srv.stop() == 0
