@@ -136,9 +136,10 @@ def read_tokens(
         else:
             constrained.output.append_token(req, result.token_ids[i], logprob, top)
     got = [flight.reqs[i] for i in rows]
-    for req in got:
-        if not req.finished:
-            speculative.propose(req)
+    if speculative.enabled:
+        for req in got:
+            if not req.finished:
+                speculative.propose(req)
     return got
 
 

@@ -101,6 +101,10 @@ class Speculative:
         self.draft_tokens = 0
         self.accepted_tokens = 0
 
+    @property
+    def enabled(self) -> bool:
+        return self.config.speculative_algorithm is not None
+
     def speculates(self, req: Req) -> bool:
         """Whether n-gram drafts extend this request's: where the server speculates and the
         request did not opt out; not with logprobs asked for (a draft token has none), penalties
@@ -110,8 +114,7 @@ class Speculative:
         p = req.params
         thinking = req.thinking
         return (
-            self.config.speculative_algorithm == "ngram"
-            and p.speculative
+            p.speculative
             and req.logprob is None
             and not p.has_penalties
             and len(req.output_ids) >= p.min_new_tokens
