@@ -102,11 +102,16 @@ def chat(engine: Engine, text: str) -> str:
     )
 
 
-def run(engine: Engine, prompts: list[str], params: list[dict[str, Any]]) -> tuple[float, list]:
-    """(wall seconds, outputs) of the prompts submitted at once, the prefix cache flushed."""
+def run(
+    engine: Engine, prompts: list[str], params: list[dict[str, Any]], batch: int
+) -> tuple[float, list]:
+    """(wall seconds, outputs) of the prompts, `batch` submitted at once, the prefix cache
+    flushed."""
     engine.flush_cache()
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    outs: list = []
+    for i in range(0, len(prompts), batch):
+        outs += engine.generate(prompts[i : i + batch], params[i : i + batch])
     return time.perf_counter() - start, outs
 
 
@@ -123,15 +128,15 @@ def measure(
     greedy = {"temperature": 0.0, "max_new_tokens": max_new}
     if name == "json":
         prompts = [chat(engine, f"Extract the person from this text as JSON: {d}") for d in DOCS]
-        prompts = (prompts * batch)[: max(batch, len(DOCS))]
+        prompts = [p for p in prompts for _ in range(batch)]
         constrained = [{**greedy, "json_schema": json.dumps(SCHEMA)}] * len(prompts)
     else:
         text = CODE_PROMPT if name == "code" else STORY
         prompts = [chat(engine, text)] * batch
         constrained = [greedy] * len(prompts)
     speculation(engine, None, draft_tokens)
-    run(engine, prompts[:1], [{**constrained[0], "max_new_tokens": 8}])  # warm-up
-    _, reference = run(engine, prompts, constrained)  # the outputs speculation must repeat
+    run(engine, prompts[:1], [{**constrained[0], "max_new_tokens": 8}], 1)  # warm-up
+    _, reference = run(engine, prompts, constrained, batch)  # the outputs speculation must repeat
     plain_params = constrained
     if name == "json":  # the baseline: unconstrained, as many tokens as each constrained output
         plain_params = [
@@ -150,7 +155,7 @@ def measure(
             if key == "plain" and name != "json":
                 continue  # the same run as no_spec
             speculation(engine, algorithm, draft_tokens)
-            wall, outs = run(engine, prompts, params)
+            wall, outs = run(engine, prompts, params, batch)
             walls[key] = min(walls.get(key, wall), wall)
             if key == "spec":
                 spec = outs

@@ -85,6 +85,30 @@ def test_ngram_index_grows_with_the_output():
     assert index.propose(req, [], 4) == [7, 5, 6]
 
 
+def test_drafts_shrink_to_what_is_kept_and_back_off_after_misses():
+    from weft.runtime.config import EngineConfig
+    from weft.runtime.scheduler.speculative import Speculation, Speculative
+
+    class Memory:
+        def truncate(self, req, kv_len):
+            pass
+
+    speculative = Speculative(EngineConfig(speculative_algorithm="ngram"), Memory(), None)
+    req = _req([1, 2, 3])
+    req.spec = spec = Speculation(limit=8)
+    draft = [4, 5, 6, 7, 8, 9, 10, 11]
+    assert speculative.take_draft(req, draft, [4, 5, 0, 0, 0, 0, 0, 0, 0]) == 2
+    assert (spec.limit, spec.misses, spec.skip) == (3, 0, 0)  # kept 2: at most one more
+    assert speculative.take_draft(req, [4, 5, 6], [4, 5, 6, 7]) == 3
+    assert spec.limit == 6  # kept whole: doubled (up to speculative_num_draft_tokens)
+    skips = []
+    for _ in range(6):  # rejected whole: 1, 2, 4, 8, 16, 16 tokens without a draft
+        assert speculative.take_draft(req, [4, 5], [0, 0, 0]) == 0
+        skips.append(spec.skip)
+    assert skips == [1, 2, 4, 8, 16, 16] and spec.limit == 2
+    assert (spec.verify_ct, spec.draft_tokens, spec.accepted_tokens) == (8, 23, 5)
+
+
 @pytest.fixture(scope="module")
 def stories(stories_dir):
     return make_engine(stories_dir)

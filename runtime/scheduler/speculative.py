@@ -39,6 +39,10 @@ NGRAM_MAX = 4
 # consecutive misses' tokens without one (1, 2, 4 ... capped): a text that does not repeat costs
 # a verify step now and then, not every step.
 MAX_MISS_BACKOFF = 16
+# A draft the model cut short makes the next one at most this much longer than the part it kept
+# (at least MIN_DRAFT); one kept whole doubles it, up to speculative_num_draft_tokens. Rows the
+# model rejects cost forward rows and, under a grammar, a mask fill each.
+MIN_DRAFT = 2
 
 
 class NgramIndex:
@@ -80,6 +84,7 @@ class NgramIndex:
 class Speculation:
     """A speculating request's drafter state and its counts (meta_info's spec_* keys)."""
 
+    limit: int  # n-gram draft tokens the next draft may have (adapts to what was kept)
     index: NgramIndex = dataclasses.field(default_factory=NgramIndex)
     forced: int = 0  # leading tokens of the request's draft that its grammar forces
     misses: int = 0  # drafts rejected whole in a row
@@ -130,13 +135,14 @@ class Speculative:
             return
         spec = req.spec
         if spec is None:
-            spec = req.spec = Speculation()
+            spec = req.spec = Speculation(limit=self.config.speculative_num_draft_tokens)
         spec.forced = len(req.draft)
         if spec.skip > 0:
             spec.skip -= 1
             return
         room = min(req.remaining_new_tokens, self.output.max_seq_len - req.seq_len) - 1
         limit = min(room, self.config.speculative_num_draft_tokens) - len(req.draft)
+        limit = min(limit, spec.limit)
         if limit <= 0:
             return
         spec.index.update(req)
@@ -159,15 +165,23 @@ class Speculative:
         self.memory.truncate(req, req.seq_len + taken)  # (its token is read: none pending)
         spec = req.spec
         if spec is not None and len(draft) > spec.forced:
-            spec.verify_ct += 1
-            spec.draft_tokens += len(draft) - spec.forced
-            spec.accepted_tokens += max(taken - spec.forced, 0)
-            self.verify_ct += 1
-            self.draft_tokens += len(draft) - spec.forced
-            self.accepted_tokens += max(taken - spec.forced, 0)
-            if taken <= spec.forced:
-                spec.misses += 1
-                spec.skip = min((1 << spec.misses) // 2, MAX_MISS_BACKOFF)
-            else:
-                spec.misses = 0
+            self._count(spec, len(draft) - spec.forced, max(taken - spec.forced, 0))
         return taken
+
+    def _count(self, spec: Speculation, drafted: int, kept: int) -> None:
+        """A verified n-gram draft: the counts, and how the request drafts next."""
+        spec.verify_ct += 1
+        spec.draft_tokens += drafted
+        spec.accepted_tokens += kept
+        self.verify_ct += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += kept
+        if kept == drafted:
+            spec.limit = min(2 * spec.limit, self.config.speculative_num_draft_tokens)
+        else:
+            spec.limit = max(kept + 1, MIN_DRAFT)
+        if kept == 0:
+            spec.misses += 1
+            spec.skip = min((1 << spec.misses) // 2, MAX_MISS_BACKOFF)
+        else:
+            spec.misses = 0
