@@ -31,13 +31,13 @@ from weft.runtime.core import Req
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 
-# A suffix of 2 to 4 tokens: one token matches nearly everywhere in a long text (drafts that the
-# model rejects); past 4, a longer match rarely predicts better than its last 4 tokens do.
+# A suffix of 2 to 4 tokens: one token matches nearly everywhere in a long text, mostly drafts
+# the model rejects (1 measured 1.17x against 1.04x on JSON extraction, but 0.96x on text that
+# does not repeat: benchmarks/RESULTS.md); past 4, the latest match seldom changes.
 NGRAM_MIN = 2
 NGRAM_MAX = 4
-# After a draft the model rejected whole, the request drafts again only after this many of its
-# consecutive misses' tokens without one (1, 2, 4 ... capped): a text that does not repeat costs
-# a verify step now and then, not every step.
+# A request whose draft the model rejected whole goes 1, 2, 4 ... (consecutive such misses, up
+# to this) tokens without a draft: a text that does not repeat costs a verify step now and then.
 MAX_MISS_BACKOFF = 16
 # A draft the model cut short makes the next one at most this much longer than the part it kept
 # (at least MIN_DRAFT); one kept whole doubles it, up to speculative_num_draft_tokens. Rows the
@@ -111,8 +111,8 @@ class Speculative:
         return self.config.speculative_algorithm is not None
 
     def speculates(self, req: Req) -> bool:
-        """Whether n-gram drafts extend this request's: where the server speculates and the
-        request did not opt out; not with logprobs asked for (a draft token has none), penalties
+        """Whether n-gram drafts extend this request's (where the server speculates): unless it
+        opted out; not with logprobs asked for (a draft token has none), penalties
         or min_new_tokens still to reach (the draft rows would share the request's penalties and
         token count as they stand before the draft), nor in a thinking phase (its end marker
         switches the grammar on: drafts begin with the answer)."""
