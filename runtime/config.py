@@ -18,6 +18,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "fp8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SPECULATIVE_ALGORITHMS = ("ngram",)
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -124,6 +125,17 @@ class EngineConfig:
         "there by default: a step that feeds a draft runs eagerly, for the whole batch, "
         "and measured 0.36x the tokens/s of jump-forward off at batch 1)",
     )
+    speculative_algorithm: str | None = option(
+        None,
+        "speculative decoding: ngram drafts the tokens that followed the text's last few tokens "
+        "earlier in the prompt or output (after a grammar's forced tokens), and the model "
+        "verifies them in one forward; greedy outputs are unchanged, sampled ones keep their "
+        "distribution (a request opts out with sampling param speculative false)",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_num_draft_tokens: int = option(
+        8, "most draft tokens a request verifies in one forward (speculative decoding)"
+    )
     profile_steps: bool = option(
         False,
         "record per-step timings (forward, grammar mask fill and accepts, sampling; CUDA events "
@@ -159,7 +171,7 @@ class EngineConfig:
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
             if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
-        for name in ("max_running_requests", "max_grammar_chars"):
+        for name in ("max_running_requests", "max_grammar_chars", "speculative_num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (

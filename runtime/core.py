@@ -9,8 +9,9 @@ Token bookkeeping of a request (all indices into `fill_ids = input_ids + output_
 A step processes fill_ids[kv_len : kv_len + n]; when it reaches the end of fill_ids the request
 samples one token, which is appended to output_ids (decode is the case n == 1).
 
-A constrained request may carry a draft: the tokens its grammar forces after fill_ids (jump-
-forward). A step then feeds the draft behind fill_ids and samples a token at every draft
+A request may carry a draft: the tokens its grammar forces after fill_ids (jump-forward), then
+those that followed its last tokens earlier in its text (speculative decoding, `scheduler.
+speculative`). A step then feeds the draft behind fill_ids and samples a token at every draft
 position; the draft tokens the model itself picks are kept, up to the first it does not, where
 the model's token is taken instead. Until that step is read back, kv_len runs past
 len(fill_ids) by the draft's length.
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from weft.runtime.messages.common import GrammarReport
+from weft.runtime.messages.common import GrammarReport, SpecReport
 from weft.runtime.messages.tokenizer_to_scheduler import GenerateRequest
 from weft.runtime.sampling_params import SamplingParams
 from weft.runtime.thinking import Thinking
@@ -95,7 +96,8 @@ class Req:
     # constrained decoding: the spec's compile job, then the request's matcher
     grammar_future: Any = None
     grammar: Any = None  # weft.grammars.manager.RequestGrammar
-    draft: list[int] = field(default_factory=list)  # forced tokens to verify (module docstring)
+    draft: list[int] = field(default_factory=list)  # tokens to verify (module docstring)
+    spec: Any = None  # speculative decoding: weft.runtime.scheduler.speculative.Speculation
     # the output begins in the thinking: its phase (the grammar holds the answer after it)
     thinking: Thinking | None = None
     # logprobs: per prompt position from start_len, and per output token
@@ -142,6 +144,13 @@ class Req:
         # meanwhile held up every request that came during it, constrained or not
         wait_s = max(g.compiled.ready_at - self.created, 0.0)
         return GrammarReport(g.backend_name, g.jump_forward_tokens, wait_s, g.compiled.cached)
+
+    def spec_report(self) -> SpecReport | None:
+        """What meta_info reports of speculative decoding (None: the request never drafted)."""
+        s = self.spec
+        if s is None:
+            return None
+        return SpecReport(s.verify_ct, s.draft_tokens, s.accepted_tokens)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -90,6 +90,7 @@ class Detokenizer:
             output_logprobs=u.output_logprobs,
             input_logprobs=u.input_logprobs,
             grammar=u.grammar,
+            spec=u.spec,
         )
 
     @staticmethod

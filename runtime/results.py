@@ -18,6 +18,10 @@ scheduler knows reaches the server only if those messages carry it.
 | grammar_backend       | constrained requests only, once their grammar compiled: the backend  |
 |                       | serving the constraint                                               |
 | jump_forward_tokens   | with grammar_backend: forced tokens the model took from drafts       |
+| spec_verify_ct        | speculating requests only (--speculative-algorithm): forwards that   |
+|                       | verified a draft of the request (past a grammar's forced tokens)     |
+| spec_accept_length    | with spec_verify_ct: mean tokens those forwards gave (kept + 1)       |
+| spec_accept_rate      | with spec_verify_ct: draft tokens kept / draft tokens verified       |
 | output_token_logprobs | return_logprob only: (logprob, id, text) per output token            |
 | output_top_logprobs   | return_logprob only: per output token, (logprob, id, text) per       |
 |                       | alternative, None without alternatives (top_logprobs_num 0)          |
@@ -34,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from weft.runtime.messages.common import GrammarReport, LogprobEntry
+from weft.runtime.messages.common import GrammarReport, LogprobEntry, SpecReport
 
 if TYPE_CHECKING:  # NOTE: the HTTP process imports this module: no torch (weft.runtime.core)
     from weft.runtime.core import Req
@@ -55,6 +59,7 @@ def sample_result(
     grammar: GrammarReport | None,
     logprobs: tuple[Sequence[LogprobEntry], Sequence[LogprobEntry]] | None,
     token_text: TokenText | None = None,
+    spec: SpecReport | None = None,
 ) -> dict[str, Any]:
     """A sample's {text, output_ids, meta_info} (see the module docstring). logprobs: (output,
     input) entries, None when the request asked for none."""
@@ -72,6 +77,13 @@ def sample_result(
         meta["jump_forward_tokens"] = grammar.jump_forward_tokens
         meta["grammar_wait_s"] = grammar.wait_s
         meta["grammar_cached"] = grammar.cached
+    if spec is not None:
+        verified = spec.verify_ct
+        meta["spec_verify_ct"] = verified
+        meta["spec_accept_length"] = 1.0 + spec.accepted_tokens / verified if verified else 1.0
+        meta["spec_accept_rate"] = (
+            spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0
+        )
     if logprobs is not None:
         name = token_text or (lambda tid: None)
         outputs, inputs = logprobs
@@ -97,6 +109,7 @@ def request_output(req: Req, rid: str, text: str | None = None) -> dict[str, Any
         finish_reason=req.finish.to_dict() if req.finish else None,
         e2e_latency=req.finished_at - req.created if req.finished_at is not None else None,
         grammar=req.grammar_report(),
+        spec=req.spec_report(),
         logprobs=None if req.logprob is None else (req.output_logprobs, req.input_logprobs),
     )
 

@@ -179,6 +179,9 @@ class SamplingParams:
     # of thinking, then the end marker is forced (0: none). The server checks that the request
     # thinks (weft.runtime.thinking); None: no limit.
     thinking_budget: int | None = None
+    # where the server speculates (--speculative-algorithm): false verifies no drafts of its own
+    # for this request (a grammar's forced tokens still are, as jump-forward)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

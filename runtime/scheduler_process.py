@@ -191,6 +191,7 @@ class SchedulerService:
             new_ids=new_ids,
             cached_tokens=req.cached_tokens,
             grammar=req.grammar_report(),
+            spec=req.spec_report(),
         )
         if req.logprob is not None:
             out.output_logprobs = list(req.output_logprobs[progress.logprobs_sent :])
@@ -253,6 +254,9 @@ class SchedulerService:
             "grammar_mask_s": s.grammar_mask_s.snapshot(),
             "grammar_served_by": dict(s.constrained.served_by),
             "grammar_cache_hits": s.constrained.cache_hits,
+            "spec_verify_ct": s.speculative.verify_ct,
+            "spec_draft_tokens": s.speculative.draft_tokens,
+            "spec_accepted_tokens": s.speculative.accepted_tokens,
         }
 
 

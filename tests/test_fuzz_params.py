@@ -46,6 +46,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "n": st.integers(1, MAX_N),
     "seed": st.none() | st.integers(0, MAX_SEED),
     "thinking_budget": st.none() | st.integers(0, 1 << 20),
+    "speculative": st.booleans(),
     # at most one constraint: drawn once for all four fields (see valid_kwargs)
     **{name: st.none() for name in CONSTRAINTS},
 }

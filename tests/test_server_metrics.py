@@ -265,6 +265,9 @@ def test_bucket_counts_render_as_a_prometheus_histogram():
         "grammar_mask_s": empty,
         "grammar_served_by": {"xgrammar": 6, "llguidance": 2},
         "grammar_cache_hits": 7,
+        "spec_verify_ct": 8,
+        "spec_draft_tokens": 9,
+        "spec_accepted_tokens": 10,
     }
     metrics = ServerMetrics()
     m = _families(metrics.render(scheduler).decode())
@@ -277,6 +280,9 @@ def test_bucket_counts_render_as_a_prometheus_histogram():
     assert _value(m, "weft:num_queue_reqs") == 3
     assert _value(m, "weft:num_retracted_requests", "_total") == 4
     assert _value(m, "weft:grammar_cache_hits", "_total") == 7
+    assert _value(m, "weft:spec_verify_ct", "_total") == 8
+    assert _value(m, "weft:spec_draft_tokens", "_total") == 9
+    assert _value(m, "weft:spec_accepted_tokens", "_total") == 10
     assert m["weft:grammar_requests"] == {
         ("weft:grammar_requests_total", (("backend", "llguidance"),)): 2,
         ("weft:grammar_requests_total", (("backend", "xgrammar"),)): 6,

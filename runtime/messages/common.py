@@ -20,6 +20,14 @@ class GrammarReport(msgspec.Struct, array_like=True):
     cached: bool = False  # its grammar was in the compile cache when it came
 
 
+class SpecReport(msgspec.Struct, array_like=True):
+    """A speculating request's drafts so far, as meta_info reports them (`weft.runtime.results`)."""
+
+    verify_ct: int  # forwards that verified a draft of the request
+    draft_tokens: int  # draft tokens verified (past a grammar's forced ones)
+    accepted_tokens: int  # of those, the ones the model kept
+
+
 class ModelInfo(msgspec.Struct):
     """What the scheduler knows once the model is loaded; the server validates requests with it."""
 

@@ -15,6 +15,7 @@ from weft.runtime.messages.common import (
     LogprobEntry,
     Ready,
     Reply,
+    SpecReport,
 )
 
 
@@ -28,6 +29,7 @@ class TextUpdate(msgspec.Struct, array_like=True):
     output_logprobs: list[LogprobEntry] = []
     input_logprobs: list[LogprobEntry] | None = None
     grammar: GrammarReport | None = None
+    spec: SpecReport | None = None
 
 
 class TextStep(msgspec.Struct, tag="text"):

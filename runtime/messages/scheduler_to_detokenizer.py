@@ -6,7 +6,14 @@ from typing import Any
 
 import msgspec
 
-from weft.runtime.messages.common import Fatal, GrammarReport, LogprobEntry, Ready, Reply
+from weft.runtime.messages.common import (
+    Fatal,
+    GrammarReport,
+    LogprobEntry,
+    Ready,
+    Reply,
+    SpecReport,
+)
 
 
 class DecodeStart(msgspec.Struct, array_like=True):
@@ -36,6 +43,7 @@ class TokenUpdate(msgspec.Struct, array_like=True):
     output_logprobs: list[LogprobEntry] = []  # entries of new_ids
     input_logprobs: list[LogprobEntry] | None = None  # on the first update, when asked for
     grammar: GrammarReport | None = None  # constrained requests: on every update
+    spec: SpecReport | None = None  # speculating requests: on every update
 
 
 class Step(msgspec.Struct, tag="step"):

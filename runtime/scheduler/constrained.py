@@ -23,7 +23,6 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.core import FinishReason, Req
 from weft.runtime.histogram import BucketCounts
 from weft.runtime.model_runner import ModelRunner
-from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 from weft.runtime.tokenizer import text_marker_ids
 
@@ -80,11 +79,9 @@ class Constrained:
         config: EngineConfig,
         runner: ModelRunner,
         output: OutputProcessor,
-        memory: MemoryManager,
     ) -> None:
         self.config = config
         self.runner = runner
-        self.memory = memory  # jump-forward drafts: the KV of draft tokens the model did not take
         self.output = output  # its tokenizer, end ids and max_seq_len are the grammars' too
         self.end_list = sorted(output.end_ids)  # the grammar backends take them as a list
         self._grammars: GrammarManager | None = None
@@ -336,31 +333,28 @@ class Constrained:
 
     # ---- tokens through the grammar -------------------------------------------------------
 
-    def take_draft(self, req: Req, draft: list[int], ids: list[int]) -> int:
-        """Keep the draft tokens the model picked itself (ids[j] was sampled after draft[:j])
-        and free the KV of the rest. Returns the model's token after those kept; the request
-        may have ended among them (a stop string, its token limit), and its release then frees
-        the KV of draft tokens it did not keep (MemoryManager.release)."""
-        taken = 0
-        while taken < len(draft) and ids[taken] == draft[taken]:
-            taken += 1
-        self.memory.truncate(req, req.seq_len + taken)  # (its token is read: none pending)
-        grammar: RequestGrammar = req.grammar
-        try:
-            for tid in draft[:taken]:  # NOTE: taken when the masks were filled: cannot fail
-                if not grammar.accept(tid):
-                    raise RuntimeError(f"the grammar took draft token {tid}, then refused it")
-        except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
-            self._failed(req, exc)
-            return ids[taken]
-        grammar.jump_forward_tokens += taken
-        if taken and req.thinking is not None:
-            req.thinking.close_gap()  # the draft is the grammar's: the answer has begun
-        for tid in draft[:taken]:
+    def keep_draft(self, req: Req, kept: list[int], forced: int) -> None:
+        """The draft tokens the model picked itself (`Speculative.take_draft`) through the
+        request's grammar, if any, into its output; the first `forced` of the draft are the
+        grammar's own (jump-forward). The request may end among them (a stop string, its token
+        limit); its release then frees the KV of draft tokens it did not keep
+        (MemoryManager.release)."""
+        grammar: RequestGrammar | None = req.grammar
+        if grammar is not None:
+            try:
+                for tid in kept:  # NOTE: taken when the masks were filled: cannot fail
+                    if not grammar.accept(tid):
+                        raise RuntimeError(f"the grammar took draft token {tid}, then refused it")
+            except Exception as exc:  # NOTE: a backend's bug ends this request, not the scheduler
+                self._failed(req, exc)
+                return
+            grammar.jump_forward_tokens += min(len(kept), forced)
+            if kept and req.thinking is not None:
+                req.thinking.close_gap()  # the draft is the grammar's: the answer has begun
+        for tid in kept:
             self.output.append_token(req, tid, None, None)
             if req.finished:
                 break
-        return ids[taken]
 
     def think(
         self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None

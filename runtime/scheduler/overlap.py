@@ -17,6 +17,7 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.core import Req
 from weft.runtime.sampler import Sampled, read_back
 from weft.runtime.scheduler.constrained import Constrained
+from weft.runtime.scheduler.speculative import Speculative
 
 
 def overlap_schedule(config: EngineConfig, device: torch.device) -> bool:
@@ -90,11 +91,15 @@ def mark_pending(step: int, reqs: list[Req]) -> None:
 
 
 def read_tokens(
-    flight: InFlight, constrained: Constrained, accepted: Callable[[], None] | None = None
+    flight: InFlight,
+    constrained: Constrained,
+    speculative: Speculative,
+    accepted: Callable[[], None] | None = None,
 ) -> list[Req]:
     """Read the step's tokens back and append them: a drafting request's kept draft tokens
-    first, a constrained request's tokens through its grammar. Returns the requests that got a
-    token or finished, by row (not those aborted or retracted since the launch).
+    first, a constrained request's tokens through its grammar; then each live request's next
+    draft. Returns the requests that got a token or finished, by row (not those aborted or
+    retracted since the launch).
 
     In two passes: first every token that moves a grammar or a thinking phase, then `accepted()`
     (the scheduler starts the next step's mask fill there, on the fill's threads), then the
@@ -112,7 +117,7 @@ def read_tokens(
             later.append((i, False))
         elif i in flight.drafts or req.thinking is not None or constrained.drafts_for(req):
             req.pending = None
-            _take(flight, i, result, constrained)
+            _take(flight, i, result, constrained, speculative)
         elif constrained.accept(req, result.token_ids[i]):
             later.append((i, True))
         else:
@@ -130,10 +135,17 @@ def read_tokens(
             constrained.emit(req, result.token_ids[i], logprob, top)
         else:
             constrained.output.append_token(req, result.token_ids[i], logprob, top)
-    return [flight.reqs[i] for i in rows]
+    got = [flight.reqs[i] for i in rows]
+    if speculative.enabled:
+        for req in got:
+            if not req.finished:
+                speculative.propose(req)
+    return got
 
 
-def _take(flight: InFlight, i: int, result: Sampled, constrained: Constrained) -> None:
+def _take(
+    flight: InFlight, i: int, result: Sampled, constrained: Constrained, speculative: Speculative
+) -> None:
     """Row i's token (and its kept draft tokens), through its grammar or thinking phase."""
     req = flight.reqs[i]
     logprob = result.logprobs[i] if result.logprobs and req.logprob else None
@@ -141,7 +153,10 @@ def _take(flight: InFlight, i: int, result: Sampled, constrained: Constrained) -
     token = result.token_ids[i]
     draft = flight.drafts.get(i)
     if draft is not None:
-        token = constrained.take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
+        taken = speculative.take_draft(req, draft, result.token_ids[i : i + 1 + len(draft)])
+        token = result.token_ids[i + taken]
+        forced = req.spec.forced if req.spec is not None else len(draft)
+        constrained.keep_draft(req, draft[:taken], forced)
     if draft is not None and req.finished:
         pass  # it ended among the draft tokens it kept
     elif (

@@ -35,6 +35,7 @@ from weft.runtime.scheduler.overlap import (
     overlap_schedule,
     read_tokens,
 )
+from weft.runtime.scheduler.speculative import Speculative
 from weft.runtime.scheduler.step_profile import step_profile
 from weft.runtime.tokenizer import load_tokenizer
 from weft.runtime.tp_driver import TPDriver
@@ -99,7 +100,8 @@ class Scheduler:
             runner.kv_pool, runner.req_to_token, use_cache=not config.disable_radix_cache
         )
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
-        self.constrained = Constrained(config, runner, self.output, self.memory)
+        self.constrained = Constrained(config, runner, self.output)
+        self.speculative = Speculative(config, self.memory, self.output)
         self.constrained.prepare()  # the grammar backends, built in the background from now
         self.arrivals = Arrivals(config.random_seed, self.constrained, self.memory.cache.enabled)
         self.admission = Admission(
@@ -133,9 +135,10 @@ class Scheduler:
 
     @config.setter
     def config(self, config: EngineConfig) -> None:
-        # NOTE: tests and benchmarks swap it between runs (jump-forward, grammar timeouts); the
-        # admission limits and the grammar manager stay as built
+        # NOTE: tests and benchmarks swap it between runs (jump-forward, speculation, grammar
+        # timeouts); the admission limits and the grammar manager stay as built
         self.constrained.config = config
+        self.speculative.config = config
 
     @property
     def grammars(self) -> GrammarManager:
@@ -355,7 +358,7 @@ class Scheduler:
         self.profile.mark("readback")
         start = time.perf_counter()
         early = (lambda: self._start_early(plans)) if plans is not None else None
-        got = read_tokens(flight, self.constrained, early)
+        got = read_tokens(flight, self.constrained, self.speculative, early)
         self.profile.host("accept_s", start)
         self.profile.mark("accept")
         for req in got:

@@ -142,6 +142,21 @@ _SCHEDULER_COUNTERS = (
         "constrained requests whose compiled grammar was cached when they came",
         "grammar_cache_hits",
     ),
+    (
+        "weft:spec_verify_ct",
+        "forwards that verified a speculative draft, counted per request",
+        "spec_verify_ct",
+    ),
+    (
+        "weft:spec_draft_tokens",
+        "speculative draft tokens verified (past a grammar's forced tokens)",
+        "spec_draft_tokens",
+    ),
+    (
+        "weft:spec_accepted_tokens",
+        "speculative draft tokens the model kept",
+        "spec_accepted_tokens",
+    ),
 )
 
 

@@ -192,6 +192,7 @@ def sample_output(
         finish_reason=s.finish_reason,
         e2e_latency=(s.finished_at - state.created) if s.finished_at is not None else None,
         grammar=s.grammar,
+        spec=s.spec,
         logprobs=(s.output_logprobs, s.input_logprobs or []) if state.want_logprobs else None,
         token_text=tm.token_text if text_in_logprobs else None,
     )

@@ -63,6 +63,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # SGLang's (its custom param): with --reasoning-parser, tokens of thinking before the end
     # marker is forced
     thinking_budget: int | None = None
+    # weft's: false, this request verifies no speculative drafts (--speculative-algorithm)
+    speculative: bool | None = None
 
 
 class RenderChatRequest(msgspec.Struct, kw_only=True):

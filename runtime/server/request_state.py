@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from weft.runtime.messages.common import GrammarReport, LogprobEntry
+from weft.runtime.messages.common import GrammarReport, LogprobEntry, SpecReport
 from weft.runtime.messages.detokenizer_to_tokenizer import TextUpdate
 from weft.runtime.server.errors import ApiError, error_kind
 
@@ -24,6 +24,7 @@ class Sample:
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_logprobs: list[LogprobEntry] | None = None
     grammar: GrammarReport | None = None  # constrained requests: as of the last update
+    spec: SpecReport | None = None  # speculating requests: as of the last update
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
@@ -45,6 +46,8 @@ class Sample:
             self.input_logprobs = u.input_logprobs
         if u.grammar is not None:
             self.grammar = u.grammar
+        if u.spec is not None:
+            self.spec = u.spec
         self.dirty = True
         if u.finish_reason is not None:
             self.finish_reason = u.finish_reason

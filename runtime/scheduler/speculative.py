@@ -1,0 +1,187 @@
+"""Speculative decoding without a second model: drafts verified in one forward of the target.
+
+A request's draft (`Req.draft`, core.py) is fed behind its last token, and the step samples a
+token after each draft token too, each with its own position's grammar mask (`Constrained`
+fills them and cuts the draft at the first token the grammar forbids). `take_draft` keeps the
+draft tokens the model sampled itself, up to the first it did not, whose sample is taken
+instead: 1 + (tokens kept) tokens per forward; the KV of the rest is freed at once, so the
+prefix cache only ever sees kept tokens.
+
+Why this keeps the model's distribution: the rejection rule of speculative sampling keeps a
+draft token x ~ q with probability min(1, p(x) / q(x)) and, on rejection, samples from
+norm(max(0, p - q)). These drafts are deterministic, q = the point mass on x: x is kept with
+probability p(x), and a rejection samples p without x, renormalized. Sampling y ~ p and keeping x
+iff y == x (else emitting y) is exactly that: P(y == x) = p(x), and y given y != x is p restricted
+to the other tokens. Every position is sampled from p given the tokens kept before it, so the
+output has plain decoding's distribution (tests/test_speculative.py measures it); greedy, y is
+argmax p and the output is plain decoding's, token for token. (A seeded request draws one
+uniform per sampled row, so its seed picks another sample than without speculation.)
+
+Draft sources, in order: the grammar's forced tokens (jump-forward, `Constrained._draft`), then
+what the text repeats: the tokens that followed the latest earlier occurrence of the request's
+last NGRAM_MAX .. NGRAM_MIN tokens in its prompt and output (`NgramIndex`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from weft.runtime.config import EngineConfig
+from weft.runtime.core import Req
+from weft.runtime.scheduler.memory import MemoryManager
+from weft.runtime.scheduler.output_processor import OutputProcessor
+
+# A suffix of 2 to 4 tokens: one token matches nearly everywhere in a long text, mostly drafts
+# the model rejects (1 measured 1.17x against 1.04x on JSON extraction, but 0.96x on text that
+# does not repeat: benchmarks/RESULTS.md); past 4, the latest match seldom changes.
+NGRAM_MIN = 2
+NGRAM_MAX = 4
+# A request whose draft the model rejected whole goes 1, 2, 4 ... (consecutive such misses, up
+# to this) tokens without a draft: a text that does not repeat costs a verify step now and then.
+MAX_MISS_BACKOFF = 16
+# A draft the model cut short makes the next one at most this much longer than the part it kept
+# (at least MIN_DRAFT); one kept whole doubles it, up to speculative_num_draft_tokens. Rows the
+# model rejects cost forward rows and, under a grammar, a mask fill each.
+MIN_DRAFT = 2
+
+
+class NgramIndex:
+    """Where each n-gram (NGRAM_MIN .. NGRAM_MAX tokens) of a request's tokens last occurred, as
+    the position after it. Kept up with the tokens: each new token adds its n-grams, O(1) per
+    token (the prompt's once)."""
+
+    def __init__(self) -> None:
+        self.after: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # positions < indexed are in `after` as continuations
+
+    def update(self, req: Req) -> None:
+        """Index the n-grams followed by a token of the request (not its suffix: that is
+        looked up, and indexed once a token follows it)."""
+        end = len(req.input_ids) + len(req.output_ids)
+        if end <= self.indexed:
+            return
+        lo = max(self.indexed - NGRAM_MAX, 0)
+        window = req.tokens(lo, end)
+        for pos in range(max(self.indexed, NGRAM_MIN), end):
+            at = pos - lo
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, pos) + 1):
+                self.after[tuple(window[at - n : at])] = pos
+        self.indexed = end
+
+    def propose(self, req: Req, tail: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest
+        suffix of fill_ids + tail found in the index ([] where none is)."""
+        end = len(req.input_ids) + len(req.output_ids)
+        recent = req.tokens(max(end - NGRAM_MAX, 0), end) + tail
+        for n in range(min(NGRAM_MAX, len(recent)), NGRAM_MIN - 1, -1):
+            pos = self.after.get(tuple(recent[-n:]))
+            if pos is not None:
+                return req.tokens(pos, min(pos + limit, end))
+        return []
+
+
+@dataclasses.dataclass
+class Speculation:
+    """A speculating request's drafter state and its counts (meta_info's spec_* keys)."""
+
+    limit: int  # n-gram draft tokens the next draft may have (adapts to what was kept)
+    index: NgramIndex = dataclasses.field(default_factory=NgramIndex)
+    forced: int = 0  # leading tokens of the request's draft that its grammar forces
+    misses: int = 0  # drafts rejected whole in a row
+    skip: int = 0  # tokens to go before the next draft (after misses)
+    verify_ct: int = 0  # forwards that verified a draft of this request
+    draft_tokens: int = 0  # draft tokens verified (after the grammar's cut)
+    accepted_tokens: int = 0  # of those, the ones the model kept
+
+
+class Speculative:
+    """The generic side of drafts: which requests speculate, their n-gram drafts, and taking a
+    verified draft (the grammar's side stays in `Constrained`)."""
+
+    def __init__(self, config: EngineConfig, memory: MemoryManager, output: OutputProcessor):
+        self.config = config
+        self.memory = memory
+        self.output = output
+        self.verify_ct = 0  # over all requests, for /metrics
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.speculative_algorithm is not None
+
+    def speculates(self, req: Req) -> bool:
+        """Whether n-gram drafts extend this request's (where the server speculates): unless it
+        opted out; not with logprobs asked for (a draft token has none), penalties
+        or min_new_tokens still to reach (the draft rows would share the request's penalties and
+        token count as they stand before the draft), nor in a thinking phase (its end marker
+        switches the grammar on: drafts begin with the answer)."""
+        p = req.params
+        thinking = req.thinking
+        return (
+            p.speculative
+            and req.logprob is None
+            and not p.has_penalties
+            and len(req.output_ids) >= p.min_new_tokens
+            and (thinking is None or (thinking.ended and not thinking.in_gap))
+        )
+
+    def propose(self, req: Req) -> None:
+        """After the request's token: its draft (the grammar's, if any) extended by the
+        n-gram drafter, cut before any end token (the grammar would take it for good)."""
+        if req.grammar is None:
+            req.draft = []
+        if not self.speculates(req):
+            return
+        spec = req.spec
+        if spec is None:
+            spec = req.spec = Speculation(limit=self.config.speculative_num_draft_tokens)
+        spec.forced = len(req.draft)
+        if spec.skip > 0:
+            spec.skip -= 1
+            return
+        room = min(req.remaining_new_tokens, self.output.max_seq_len - req.seq_len) - 1
+        limit = min(room, self.config.speculative_num_draft_tokens) - len(req.draft)
+        limit = min(limit, spec.limit)
+        if limit <= 0:
+            return
+        spec.index.update(req)
+        draft = spec.index.propose(req, req.draft, limit)
+        ends = self.output.end_ids
+        stops = req.params.stop_token_ids
+        for i, tid in enumerate(draft):
+            if tid in ends or tid in stops:
+                del draft[i:]
+                break
+        req.draft = req.draft + draft
+
+    def take_draft(self, req: Req, draft: list[int], ids: list[int]) -> int:
+        """How many draft tokens the model picked itself (ids[j] was sampled after draft[:j]);
+        the KV of the rest is freed. The caller takes them through the request's grammar into
+        its output, then the model's token after them, ids[taken]."""
+        taken = 0
+        while taken < len(draft) and ids[taken] == draft[taken]:
+            taken += 1
+        self.memory.truncate(req, req.seq_len + taken)  # (its token is read: none pending)
+        spec = req.spec
+        if spec is not None and len(draft) > spec.forced:
+            self._count(spec, len(draft) - spec.forced, max(taken - spec.forced, 0))
+        return taken
+
+    def _count(self, spec: Speculation, drafted: int, kept: int) -> None:
+        """A verified n-gram draft: the counts, and how the request drafts next."""
+        spec.verify_ct += 1
+        spec.draft_tokens += drafted
+        spec.accepted_tokens += kept
+        self.verify_ct += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += kept
+        if kept == drafted:
+            spec.limit = min(2 * spec.limit, self.config.speculative_num_draft_tokens)
+        else:
+            spec.limit = max(kept + 1, MIN_DRAFT)
+        if kept == 0:
+            spec.misses += 1
+            spec.skip = min((1 << spec.misses) // 2, MAX_MISS_BACKOFF)
+        else:
+            spec.misses = 0

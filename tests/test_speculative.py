@@ -1,0 +1,358 @@
+"""Speculative decoding (n-gram drafts) never changes what the model writes: greedy outputs equal
+those without it (batches, prefix-cache hits, both schedules, grammars, stop strings and token
+limits inside a draft), a sampled token keeps the model's distribution at drafted positions,
+and the drafts are really verified (the meta_info counters say how many were kept)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from weft.runtime.core import Req
+from weft.runtime.sampling_params import SamplingParams
+from weft.runtime.scheduler.speculative import NgramIndex
+
+from conftest import make_engine, qwen_engine
+
+SPEC_KEYS = {"spec_verify_ct", "spec_accept_length", "spec_accept_rate"}
+# stories260K retells its stories: prompts whose continuations repeat what came before
+STORIES = [
+    "Once upon a time, there was a little girl named Lily. She liked to play outside. "
+    "Once upon a time, there was a little",
+    "The cat sat on the mat. The dog sat on the log. The cat sat on the",
+    "Lily and Ben were friends. They played in the park.",
+]
+GREEDY = {"max_new_tokens": 64, "temperature": 0}
+REGEX = r'\{"name": "[a-z]{1,8}", "mood": "(happy|sad)", "place": "[a-z ]{1,12}"\}'
+
+
+@contextlib.contextmanager
+def speculating(engine, **changes) -> Iterator[None]:
+    """The engine with n-gram speculation for the block (its config restored after)."""
+    config = engine.scheduler.config
+    engine.scheduler.config = config.replace(**{"speculative_algorithm": "ngram", **changes})
+    try:
+        yield
+    finally:
+        engine.scheduler.config = config
+
+
+def _accepted(outs: list[dict]) -> int:
+    """Draft tokens the model kept, over the outputs (from meta_info)."""
+    total = 0
+    for o in outs:
+        m = o["meta_info"]
+        total += round((m["spec_accept_length"] - 1) * m["spec_verify_ct"])
+    return total
+
+
+def _req(ids: list[int], output: list[int] = ()) -> Req:
+    req = Req("r", list(ids), SamplingParams())
+    req.output_ids = list(output)
+    return req
+
+
+def test_ngram_index_proposes_what_followed_the_latest_match():
+    index = NgramIndex()
+    req = _req([1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3])
+    index.update(req)
+    # suffix (2, 3): latest earlier occurrence is at positions 5..6, followed by 5, 6, 7, 2, 3
+    assert index.propose(req, [], 3) == [5, 6, 7]
+    assert index.propose(req, [], 10) == [5, 6, 7, 2, 3]  # up to the end of the text
+    req.output_ids = [8]
+    index.update(req)
+    assert index.propose(req, [], 4) == []  # (3, 8) occurred nowhere before
+    # the grammar's draft extends the suffix: the longest match (2, 3, 4) beats the later (2, 3)
+    assert index.propose(req, [2, 3, 4], 2) == [9, 2]
+    assert index.indexed == 13
+
+
+def test_ngram_index_grows_with_the_output():
+    index = NgramIndex()
+    req = _req([5, 6, 7], [5])
+    index.update(req)
+    assert index.propose(req, [], 4) == []  # one token of suffix: below NGRAM_MIN
+    req.output_ids.append(6)
+    index.update(req)
+    assert index.propose(req, [], 4) == [7, 5, 6]
+
+
+def test_drafts_shrink_to_what_is_kept_and_back_off_after_misses():
+    from weft.runtime.config import EngineConfig
+    from weft.runtime.scheduler.speculative import Speculation, Speculative
+
+    class Memory:
+        def truncate(self, req, kv_len):
+            pass
+
+    speculative = Speculative(EngineConfig(speculative_algorithm="ngram"), Memory(), None)
+    req = _req([1, 2, 3])
+    req.spec = spec = Speculation(limit=8)
+    draft = [4, 5, 6, 7, 8, 9, 10, 11]
+    assert speculative.take_draft(req, draft, [4, 5, 0, 0, 0, 0, 0, 0, 0]) == 2
+    assert (spec.limit, spec.misses, spec.skip) == (3, 0, 0)  # kept 2: at most one more
+    assert speculative.take_draft(req, [4, 5, 6], [4, 5, 6, 7]) == 3
+    assert spec.limit == 6  # kept whole: doubled (up to speculative_num_draft_tokens)
+    skips = []
+    for _ in range(6):  # rejected whole: 1, 2, 4, 8, 16, 16 tokens without a draft
+        assert speculative.take_draft(req, [4, 5], [0, 0, 0]) == 0
+        skips.append(spec.skip)
+    assert skips == [1, 2, 4, 8, 16, 16] and spec.limit == 2
+    assert (spec.verify_ct, spec.draft_tokens, spec.accepted_tokens) == (8, 23, 5)
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir):
+    return make_engine(stories_dir)
+
+
+@pytest.fixture(scope="module")
+def stories_overlap(stories_dir):
+    return make_engine(stories_dir, enable_overlap_schedule=True)
+
+
+@pytest.mark.parametrize("schedule", ["plain", "overlap"])
+def test_greedy_is_the_same_with_speculation_on_stories(request, schedule):
+    engine = request.getfixturevalue("stories" if schedule == "plain" else "stories_overlap")
+    engine.flush_cache()
+    plain = engine.generate(STORIES, GREEDY)
+    assert all(SPEC_KEYS.isdisjoint(o["meta_info"]) for o in plain)
+    with speculating(engine):
+        batch = engine.generate(STORIES, GREEDY)  # the prompts are cached now
+        alone = [engine.generate(p, GREEDY) for p in STORIES]
+    for p, b, a in zip(plain, batch, alone, strict=True):
+        assert b["output_ids"] == a["output_ids"] == p["output_ids"]
+        assert b["meta_info"]["finish_reason"] == p["meta_info"]["finish_reason"]
+        assert b["meta_info"]["cached_tokens"] > 0
+    assert _accepted(batch) >= 20 and _accepted(alone) >= 20
+    for o in batch:
+        m = o["meta_info"]
+        assert m["spec_verify_ct"] > 0 and 0 <= m["spec_accept_rate"] <= 1
+        assert m["spec_accept_length"] >= 1
+
+
+@pytest.mark.parametrize("schedule", ["plain", "overlap"])
+def test_constrained_greedy_is_the_same_with_speculation(request, schedule):
+    engine = request.getfixturevalue("stories" if schedule == "plain" else "stories_overlap")
+    record = '{"name": "lily", "mood": "happy", "place": "the park"}'
+    prompt = f"{record}\n{record}\n"
+    params = {**GREEDY, "regex": REGEX}
+    plain = engine.generate(prompt, params)
+    with speculating(engine):
+        spec = engine.generate(prompt, params)
+    assert spec["output_ids"] == plain["output_ids"]
+    assert re.fullmatch(REGEX, spec["text"])
+    # (text the grammar forces may come in an n-gram draft first: then it counts there)
+    assert spec["meta_info"]["spec_verify_ct"] > 0 and _accepted([spec]) > 0
+
+
+def test_stop_strings_and_token_limits_inside_a_draft(stories):
+    prompt = STORIES[0]
+    plain = stories.generate(prompt, GREEDY)
+    text, ids = plain["text"], plain["output_ids"]
+    with speculating(stories):
+        spec = stories.generate(prompt, GREEDY)
+        assert spec["output_ids"] == ids and _accepted([spec]) >= 10
+        for n in range(1, 40, 3):  # each limit lands inside a draft or at its edge
+            out = stories.generate(prompt, {**GREEDY, "max_new_tokens": n})
+            assert out["output_ids"] == ids[:n]
+            assert out["meta_info"]["finish_reason"] == {"type": "length"}
+        words = sorted(set(text.split()), key=text.find)[3:9]
+        for stop in words:
+            params = {**GREEDY, "stop": [stop]}
+            out = stories.generate(prompt, params)
+            with speculating(stories, speculative_algorithm=None):
+                want = stories.generate(prompt, params)
+            assert out["text"] == want["text"] == text[: text.find(stop)]
+            assert out["output_ids"] == want["output_ids"]
+            assert out["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+
+
+def test_opt_out_and_logprobs_turn_speculation_off(stories):
+    with speculating(stories):
+        off = stories.generate(STORIES[1], {**GREEDY, "speculative": False})
+        logprobs = stories.generate(STORIES[1], GREEDY, return_logprob=True)
+        on = stories.generate(STORIES[1], GREEDY)
+    assert SPEC_KEYS.isdisjoint(off["meta_info"]) and SPEC_KEYS.isdisjoint(logprobs["meta_info"])
+    assert len(logprobs["meta_info"]["output_token_logprobs"]) == len(on["output_ids"])
+    assert off["output_ids"] == logprobs["output_ids"] == on["output_ids"]
+    assert _accepted([on]) > 0
+
+
+def test_the_prefix_cache_holds_only_kept_tokens(stories):
+    stories.flush_cache()
+    prompt_ids = stories.tokenizer.encode(STORIES[1])
+    with speculating(stories):
+        first = stories.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+    assert first["meta_info"]["spec_verify_ct"] > 0
+    tokens = prompt_ids + first["output_ids"]
+    cache = stories.scheduler.memory.cache
+    # every slot the cache holds is one of this request's tokens (the last has no KV): a draft
+    # token the model rejected would be a branch or a longer path
+    assert cache.total_size == len(tokens) - 1
+    assert cache.match_prefix(tokens, "").length == len(tokens) - 1
+    # a follow-up that shares the prefix continues as without speculation
+    follow = tokens[: len(prompt_ids) + 20]
+    with speculating(stories):
+        again = stories.generate(input_ids=follow, sampling_params=GREEDY)
+    stories.flush_cache()
+    want = stories.generate(input_ids=follow, sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] == len(follow) - 1
+    assert again["output_ids"] == want["output_ids"]
+
+
+def test_sampling_keeps_the_distribution_at_drafted_positions(stories):
+    """Temperature 1 on a prompt that repeats itself: after the first token the n-gram drafter
+    proposes the rest of the sentence, so the second token decides a draft token's fate and the
+    third is sampled at a drafted position when it is kept. Given the most likely first token
+    t0, the pairs (t1, t2) must follow the model's p(t1 | t0) p(t2 | t0, t1), computed here."""
+    text = "Once upon a time, there was a little girl. Once upon a time, there was a"
+    prompt = stories.tokenizer.encode(text)
+    t0 = int(_next_token_probs(stories, [prompt])[0].argmax())
+    p1 = _next_token_probs(stories, [prompt + [t0]])[0]
+    seconds = [t for t in torch.argsort(p1, descending=True).tolist() if p1[t] > 1e-3]
+    p2 = _next_token_probs(stories, [prompt + [t0, t] for t in seconds])
+    exact = {
+        (t1, t2): float(p1[t1] * p2[i, t2])
+        for i, t1 in enumerate(seconds)
+        for t2 in range(p2.shape[1])
+    }
+    samples = 1200
+    params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}
+    with speculating(stories):
+        outs = stories.generate(input_ids=[prompt] * samples, sampling_params=params)
+    drafted = [o for o in outs if o["output_ids"][0] == t0]
+    assert len(drafted) >= samples // 3  # t0 = 'little': p = 0.53
+    assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in drafted) >= len(drafted) // 2
+    assert _accepted(drafted) >= len(drafted) // 4  # many t2 come from a draft's row
+    seen = Counter(tuple(o["output_ids"][1:3]) for o in drafted)
+    n = len(drafted)
+    common = [pair for pair, p in exact.items() if p * n >= 5]
+    observed = [seen[pair] for pair in common]
+    wanted = [exact[pair] * n for pair in common]
+    observed.append(n - sum(observed))
+    wanted.append(n - sum(wanted))
+    assert chisquare(observed, wanted).pvalue > 1e-3, (common, observed, wanted)
+
+
+def _next_token_probs(engine, prompts: list[list[int]]) -> torch.Tensor:
+    """The model's next-token distribution after each prompt ([len(prompts), vocab])."""
+    outs = engine.generate(
+        input_ids=prompts,
+        sampling_params={"max_new_tokens": 1, "temperature": 0},
+        return_logprob=True,
+        top_logprobs_num=engine.scheduler.runner.model_config.vocab_size,
+    )
+    vocab = engine.scheduler.runner.model_config.vocab_size
+    probs = torch.zeros(len(prompts), vocab, dtype=torch.float64)
+    for i, o in enumerate(outs):
+        for logprob, tid, _ in o["meta_info"]["output_top_logprobs"][0]:
+            probs[i, tid] = float(torch.tensor(logprob, dtype=torch.float64).exp())
+    return probs
+
+
+# ---- the default model: code editing, JSON under a schema ---------------------------------
+
+CODE = '''def moving_average(x, width):
+    """The mean of each window of `width` values of x."""
+    if width <= 0:
+        raise ValueError("width must be positive")
+    out = []
+    total = 0.0
+    for i, value in enumerate(x):
+        total += value
+        if i >= width:
+            total -= x[i - width]
+        if i >= width - 1:
+            out.append(total / width)
+    return out
+'''
+EDIT = f"{CODE}\nRename the parameter x to values and return the full code."
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "city": {"type": "string"},
+        "job": {"type": "string"},
+    },
+    "required": ["name", "city", "job"],
+    "additionalProperties": False,
+}
+PERSON = (
+    "Extract the person as JSON: Maria Lopez lives in Valencia, where she works as a "
+    "marine biologist at the city aquarium."
+)
+
+
+def _chat(engine, text: str) -> str:
+    return engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_code_editing_on_the_default_model():
+    engine = qwen_engine()
+    prompt = _chat(engine, EDIT)
+    params = {"max_new_tokens": 100, "temperature": 0}
+    plain = engine.generate(prompt, params)
+    with speculating(engine):
+        spec = engine.generate(prompt, params)
+    assert spec["output_ids"] == plain["output_ids"]
+    m = spec["meta_info"]
+    # the answer repeats the code: much of it comes from drafts
+    assert _accepted([spec]) >= len(spec["output_ids"]) // 3, m
+    assert m["spec_accept_length"] >= 3
+
+
+def test_json_schema_with_speculation_on_the_default_model():
+    engine = qwen_engine()
+    prompt = _chat(engine, PERSON)
+    params = {"max_new_tokens": 80, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
+    plain = engine.generate(prompt, params)
+    with speculating(engine):
+        spec = engine.generate(prompt, params)
+    assert spec["output_ids"] == plain["output_ids"]
+    jsonschema.validate(json.loads(spec["text"]), SCHEMA)
+    m = spec["meta_info"]
+    assert m["jump_forward_tokens"] > 0 and m["spec_verify_ct"] > 0
+    assert _accepted([spec]) > 0  # the values repeat the text's words
+
+
+# ---- through the server -------------------------------------------------------------------
+
+
+def test_server_reports_speculation(stories_dir, stories_server):
+    from server_utils import ServerProcess, stories_args
+
+    srv = ServerProcess(
+        *stories_args(stories_dir, "--speculative-algorithm", "ngram"), "--enable-metrics"
+    )
+    try:
+        body = {"text": STORIES[1], "sampling_params": GREEDY}
+        spec = srv.generate(body)
+        plain = stories_server.generate(body)
+        opted_out = srv.generate({**body, "sampling_params": {**GREEDY, "speculative": False}})
+        assert spec["output_ids"] == plain["output_ids"] == opted_out["output_ids"]
+        assert spec["text"] == plain["text"]
+        assert set(spec["meta_info"]) >= SPEC_KEYS and _accepted([spec]) > 0
+        assert SPEC_KEYS.isdisjoint(plain["meta_info"]) and SPEC_KEYS.isdisjoint(
+            opted_out["meta_info"]
+        )
+        metrics = srv.get("/metrics").text
+        verified = [
+            line for line in metrics.splitlines() if line.startswith("weft:spec_verify_ct_total")
+        ]
+        assert verified == [
+            f"weft:spec_verify_ct_total {float(spec['meta_info']['spec_verify_ct'])}"
+        ]
+        srv.assert_kv_intact()
+    finally:
+        assert srv.stop() == 0
