@@ -36,6 +36,7 @@ pytestmark = pytest.mark.skipif(
 # a 200-slot pool: the retraction batch below runs out of KV while decoding (4 x ~70 tokens);
 # one grammar backend (no race), so that the schema's outputs do not depend on which one wins
 SETTINGS = {
+    "device": "cpu",  # gloo ranks on any machine (a one-GPU one would refuse two CUDA ranks)
     "max_total_tokens": 200,
     "chunked_prefill_size": 16,
     "enable_overlap_schedule": True,
