@@ -65,8 +65,8 @@ def bias(engine, token: int, value: float) -> Iterator[None]:
     runner = engine.runner
     logits = runner.logits
 
-    def biased(hidden):
-        out = logits(hidden)
+    def biased(hidden, rows=None):
+        out = logits(hidden, rows)
         out[:, token] += value
         return out
 

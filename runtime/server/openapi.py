@@ -307,6 +307,28 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         open=True,
     ),
     ("get", "/get_model_info"): Operation(None, {"200": _json("the model", OBJECT)}),
+    ("get", "/model_info"): Operation(None, {"200": _json("the model", OBJECT)}),
+    ("get", "/get_load"): Operation(
+        None,
+        {
+            "200": _json(
+                "the load, one entry per data-parallel rank (weft: one); what sglang-router's "
+                "load-based policies read",
+                {
+                    "type": "array",
+                    "items": _object(
+                        {
+                            "dp_rank": INT,
+                            "num_reqs": INT,
+                            "num_waiting_reqs": INT,
+                            "num_tokens": INT,
+                        }
+                    ),
+                },
+            ),
+            "503": _UNAVAILABLE,
+        },
+    ),
     ("get", "/get_server_info"): _SERVER_INFO,
     ("get", "/server_info"): _SERVER_INFO,
     ("get", "/flush_cache"): _FLUSH_CACHE,
