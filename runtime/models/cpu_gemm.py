@@ -2,7 +2,7 @@
 AVX512_BF16): multiplied in float32, the weight widened a band of rows at a time.
 
 Such a CPU emulates a bfloat16 GEMM at about a quarter of its float32 rate (2-core AMD EPYC capped
-to AVX2, 9728 x 896 weight, 128 rows: 104 ms bf16, 28 ms float32; RESULTS.md, issue 21), so
+to AVX2, 9728 x 896 weight, 128 rows: 105 ms bf16, 28 ms float32; RESULTS.md, issue 21), so
 prefill ran at ~25 prompt tokens a second. A float32 copy of every weight would double a
 model's memory; widening the whole weight per call costs a full write and read of it (46 ms).
 A band of rows widened into a small buffer stays in the core's caches while the GEMM reads it:
@@ -19,9 +19,9 @@ import torch
 
 from weft.runtime.hardware import cpu_bf16_flags
 
-# From this many rows on, the float32 product is faster (8 rows: bf16 6.8 vs 7.7 ms; 16: 14 vs
-# 4.8 ms, the shape above)
-F32_MIN_ROWS = 12
+# From this many rows on, the float32 product is faster (the shape above, 1 thread, quiet: 2 rows
+# bf16 1.6 vs 2.1 ms; 4 rows 3.2 vs 2.9; 8 rows 6.6 vs 3.5; 16 rows 14.0 vs 4.7)
+F32_MIN_ROWS = 4
 BAND_BYTES = 4 << 20  # float32 bytes of weight widened at a time: within a core's L2 + L3 share
 
 _buffers = threading.local()  # NOTE: per thread: in-process engines may run forwards side by side
