@@ -172,6 +172,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt (or question) tokens")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=512, help="the prefill rate's prompt")
+    p.add_argument("--cpu-float32-products", action="store_true", help="see weft serve --help")
     p.add_argument("--groups", type=int, default=2, help="shared-prefix: number of groups")
     p.add_argument("--system-len", type=int, default=512, help="shared-prefix: prefix tokens")
     p.add_argument("--compare-no-cache", action="store_true")
@@ -189,6 +190,7 @@ def main() -> None:
         load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
+        cpu_float32_products=args.cpu_float32_products,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,

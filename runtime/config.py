@@ -46,6 +46,12 @@ class EngineConfig:
         "on a CPU) dequantizes it",
         choices=QUANTIZATIONS,
     )
+    cpu_float32_products: bool = option(
+        False,
+        "on a CPU without bfloat16 in hardware (AVX2), run bfloat16 products of 4 rows or more "
+        "(prefill, batched decode) in float32 over the bfloat16 weights: ~4x the prefill rate "
+        "there; outputs may differ from the bfloat16 products' at near-ties",
+    )
     quantized_prefill: bool = option(
         False,
         "with quantization gguf, run prefill through the quantized kernels too (default: a "

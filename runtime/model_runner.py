@@ -17,6 +17,7 @@ from weft.runtime.loaders.fp8_plan import apply_fp8, fp8_text, resolve_fp8
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
 from weft.runtime.model_config import ModelConfig
+from weft.runtime.models import cpu_gemm
 from weft.runtime.models.cpu_gemm import F32_MIN_ROWS, widen_bf16_gemm
 from weft.runtime.models.fp8 import FP8Weight
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
@@ -35,8 +36,8 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     if device.type == "cpu" and stored == torch.float16:
         return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has the same storage cost
     # NOTE: bf16 on a CPU without bf16 in hardware too: decode reads the weights (half the
-    # bytes of float32: twice the speed), and prefill's products run in float32 there
-    # (models/cpu_gemm.py), so float32 activations would gain nothing. The start log says which.
+    # bytes of float32: twice the speed); prefill's products may run in float32 there
+    # (cpu_float32_products, models/cpu_gemm.py). The start log says which.
     return stored
 
 
@@ -148,6 +149,8 @@ class ModelRunner:
         # NOTE: a rank's device is its group's (init_tp_group: one GPU per CUDA rank)
         self.device = resolve_device(config) if tp.size == 1 else tp.device
         self.dtype = resolve_dtype(config, self.model_config, self.device)
+        if self.device.type == "cpu":
+            cpu_gemm.enable(config.cpu_float32_products)
         cls = model_class(self.model_config.architecture)
         max_ctx = config.context_length or self.model_config.max_position_embeddings
         self.context_length = max_ctx
