@@ -18,11 +18,8 @@ import argparse
 import asyncio
 import json
 import random
-import re
-import signal
-import subprocess
+import shlex
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,9 +27,10 @@ import aiohttp
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import LaunchedServer
+
 from common import describe_device
 
-READY = re.compile(r"weft: ready, serving .* at (http://[^ ]+) ")
 WORDS = [
     "the",
     "a",
@@ -104,36 +102,6 @@ def workload(groups: int, per_group: int, system_words: int, seed: int) -> list[
     return prompts
 
 
-class Group:
-    """`weft serve` with the given flags, until stopped."""
-
-    def __init__(self, flags: list[str]) -> None:
-        cmd = [sys.executable, "-m", "weft.launch_server", "--port", "0", *flags]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.url = ""
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                match = READY.search(line)
-                if match and not line.startswith("["):
-                    self.url = match.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(900) or not self.url:
-            self.proc.kill()
-            raise RuntimeError(f"weft serve {' '.join(flags)} did not start")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
-
-
 async def run(url: str, prompts: list[str], output_len: int, concurrency: int) -> dict:
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
     gate = asyncio.Semaphore(concurrency)
@@ -190,7 +158,6 @@ def main() -> None:
     args = p.parse_args()
 
     flags = ["--model-path", args.model_path, "--load-format", args.load_format]
-    flags += ["--no-show-progress", "--log-level", "warning"]
     if args.tokenizer_path:
         flags += ["--tokenizer-path", args.tokenizer_path]
     if args.max_total_tokens:
@@ -209,7 +176,7 @@ def main() -> None:
     results = {}
     for label, extra in runs.items():
         print(f"[{label}] starting ...", flush=True)
-        group = Group(flags + extra)
+        group = LaunchedServer(shlex.join(flags + extra))
         try:
             results[label] = asyncio.run(run(group.url, prompts, args.output_len, args.concurrency))
         finally:
