@@ -36,6 +36,7 @@ from weft.kernels._attn import LOG2E, attention_options, dot, load_slots, softca
 from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    KV_FP8_DTYPE,
     check,
     check_out,
     check_shape,
@@ -77,7 +78,8 @@ def _decode_split_kernel(
     seq_lens,  # [B]
     mid_o,  # [B, Hq, S, D] fp32
     mid_lse,  # [B, Hq, S] fp32, base 2
-    qk_scale,  # sm_scale * log2(e)
+    qk_scale,  # sm_scale * k_scale * log2(e)
+    v_scale,  # an FP8 pool's V scale (else 1.0)
     num_splits,
     stride_qb,
     stride_qh,
@@ -132,7 +134,8 @@ def _decode_split_kernel(
         slots = load_slots(table_row, pos, n_mask, PAGE_SIZE)  # [BN] int64
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_ptrs = k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-        k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
+        # NOTE: FP8 tiles widen to q's dtype here; their scales are in qk_scale and v_scale
+        k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BN, BD]
         scores = dot(q_tile, tl.trans(k_tile), UPCAST, PRECISION) * qk_scale
         if LOGIT_CAP > 0:
             scores = softcap(scores, LOGIT_CAP)
@@ -143,14 +146,14 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        v_tile = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
+        v_tile = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BN, BD]
         pv = dot(p.to(v_tile.dtype), v_tile, UPCAST, PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     mo_ptrs = mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
-    tl.store(mo_ptrs + offs_d[None, :], acc / l_i[:, None], mask=out_mask)
+    tl.store(mo_ptrs + offs_d[None, :], acc * (v_scale / l_i[:, None]), mask=out_mask)
     ml_ptrs = mid_lse + b * stride_ml_b + heads * stride_ml_h + split
     tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=h_mask)
 
@@ -229,6 +232,8 @@ def decode_attention(
     max_seq_len: int | None = None,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 2,
@@ -236,7 +241,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged KV -> [B, Hq, D] in q's dtype.
 
-    q [B, Hq, D] (head and token strides free), k_buffer/v_buffer [slots, Hkv, D],
+    q [B, Hq, D] (head and token strides free), k_buffer/v_buffer [slots, Hkv, D] in q's dtype
+    or float8_e4m3fn (an FP8 pool: they hold K / k_scale and V / v_scale),
     req_to_token [rows, cols] int32/int64, req_pool_indices [B], seq_lens [B] (>= 1; a request of
     length 0 gets zeros). Query head h reads KV head h // (Hq // Hkv) (as SDPA's enable_gqa).
     `sliding_window` W: the query sees only the last W positions (the others are not read);
@@ -248,8 +254,8 @@ def decode_attention(
     """
     dev = q.device
     check_tensor("q", q, 3, FLOAT_DTYPES, dev)
-    check_tensor("k_buffer", k_buffer, 3, (q.dtype,), dev)
-    check_tensor("v_buffer", v_buffer, 3, (q.dtype,), dev)
+    check_tensor("k_buffer", k_buffer, 3, (q.dtype, KV_FP8_DTYPE), dev)
+    check_tensor("v_buffer", v_buffer, 3, (k_buffer.dtype,), dev)
     check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, dev)
     check_tensor("req_pool_indices", req_pool_indices, 1, INDEX_DTYPES, dev)
     check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, dev)
@@ -291,7 +297,8 @@ def decode_attention(
         seq_lens,
         mid_o,
         mid_lse,
-        sm_scale * LOG2E,
+        sm_scale * k_scale * LOG2E,
+        v_scale,
         num_kv_splits,
         q.stride(0),
         q.stride(1),
@@ -353,6 +360,8 @@ def decode_attention_ref(
     page_size: int = 1,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The torch twin: [B, Hq, D] in float32 (float64 for float64 inputs), one request at a time.
 
@@ -365,8 +374,8 @@ def decode_attention_ref(
     for b in range(batch):
         seq_len = int(seq_lens[b])
         slots = token_slots(req_to_token, int(req_pool_indices[b]), seq_len, page_size)
-        keys = k_buffer[slots].to(dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
-        values = v_buffer[slots].to(dtype).repeat_interleave(group, dim=1)
+        keys = (k_buffer[slots].to(dtype) * k_scale).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = (v_buffer[slots].to(dtype) * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].to(dtype), keys) * sm_scale  # [Hq, L]
         if logit_cap is not None:
             scores = torch.tanh(scores / logit_cap) * logit_cap

@@ -29,6 +29,7 @@ from weft.kernels._attn import LOG2E, attention_options, dot, load_slots, softca
 from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    KV_FP8_DTYPE,
     check,
     check_out,
     check_shape,
@@ -48,7 +49,8 @@ def _extend_kernel(
     req_pool_indices,  # [B]
     qo_indptr,  # [B + 1]: request b's queries are rows qo_indptr[b] .. qo_indptr[b+1]-1
     prefix_lens,  # [B]
-    qk_scale,  # sm_scale * log2(e): scores are kept in base 2
+    qk_scale,  # sm_scale * k_scale * log2(e): scores are kept in base 2
+    v_scale,  # an FP8 pool's V scale (else 1.0)
     stride_qt,
     stride_qh,
     stride_ks,
@@ -106,7 +108,8 @@ def _extend_kernel(
         slots = load_slots(table_row, pos, n_mask, PAGE_SIZE)  # [BN] int64
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_ptrs = k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-        k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
+        # NOTE: FP8 tiles widen to q's dtype here; their scales are in qk_scale and v_scale
+        k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BN, BD]
         scores = dot(q_tile, tl.trans(k_tile), UPCAST, PRECISION) * qk_scale  # [BM, BN]
         if LOGIT_CAP > 0:
             scores = softcap(scores, LOGIT_CAP)
@@ -128,14 +131,14 @@ def _extend_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        v_tile = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BN, BD]
+        v_tile = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BN, BD]
         acc = acc * alpha[:, None] + dot(p.to(v_tile.dtype), v_tile, UPCAST, PRECISION)
         m_i = m_new
 
     o_ptrs = out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     if WINDOW > 0:
         l_i = tl.where(l_i > 0, l_i, 1.0)  # padded rows (never stored) may have seen no key
-    o_tile = acc / l_i[:, None]
+    o_tile = acc * (v_scale / l_i[:, None])
     tl.store(o_ptrs, o_tile.to(out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -162,6 +165,8 @@ def extend_attention(
     page_size: int = 1,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -171,7 +176,8 @@ def extend_attention(
     """Attention of the new tokens of each request -> [T, Hq, D] in q's dtype.
 
     q [T, Hq, D] (token and head strides free; request b's tokens are rows qo_indptr[b] ..
-    qo_indptr[b+1]-1), k_buffer/v_buffer [slots, Hkv, D] holding the new tokens' K/V already,
+    qo_indptr[b+1]-1), k_buffer/v_buffer [slots, Hkv, D] holding the new tokens' K/V already
+    (q's dtype, or float8_e4m3fn holding K / k_scale and V / v_scale),
     req_to_token [rows, cols], req_pool_indices [B], qo_indptr [B + 1], prefix_lens [B] (all
     int32/int64). `max_extend_len` (a host int, >= every extend length) sizes the grid.
     Query head h reads KV head h // (Hq // Hkv). `sliding_window` W: a query at position p sees
@@ -181,8 +187,8 @@ def extend_attention(
     """
     dev = q.device
     check_tensor("q", q, 3, FLOAT_DTYPES, dev)
-    check_tensor("k_buffer", k_buffer, 3, (q.dtype,), dev)
-    check_tensor("v_buffer", v_buffer, 3, (q.dtype,), dev)
+    check_tensor("k_buffer", k_buffer, 3, (q.dtype, KV_FP8_DTYPE), dev)
+    check_tensor("v_buffer", v_buffer, 3, (k_buffer.dtype,), dev)
     check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, dev)
     check_tensor("req_pool_indices", req_pool_indices, 1, INDEX_DTYPES, dev)
     check_tensor("qo_indptr", qo_indptr, 1, INDEX_DTYPES, dev)
@@ -219,7 +225,8 @@ def extend_attention(
         req_pool_indices,
         qo_indptr,
         prefix_lens,
-        sm_scale * LOG2E,
+        sm_scale * k_scale * LOG2E,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -258,6 +265,8 @@ def extend_attention_ref(
     page_size: int = 1,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The torch twin: [T, Hq, D] in float32 (float64 for float64 inputs), one request at a time."""
     dtype = torch.promote_types(q.dtype, torch.float32)
@@ -269,8 +278,8 @@ def extend_attention_ref(
         prefix = int(prefix_lens[b])
         seq_len = prefix + stop - start
         slots = token_slots(req_to_token, int(req_pool_indices[b]), seq_len, page_size)
-        keys = k_buffer[slots].to(dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
-        values = v_buffer[slots].to(dtype).repeat_interleave(group, dim=1)
+        keys = (k_buffer[slots].to(dtype) * k_scale).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = (v_buffer[slots].to(dtype) * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[start:stop].to(dtype), keys) * sm_scale
         if logit_cap is not None:
             scores = torch.tanh(scores / logit_cap) * logit_cap

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from weft.runtime.core import ForwardBatch
-from weft.runtime.kv_pool import KVPool, ReqToTokenPool
+from weft.runtime.kv_pool import KVPool, ReqToTokenPool, dequantize_kv
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,7 @@ class AttentionBackend(ABC):
         """
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
-        self.kv_pool.k_buffers[layer][batch.out_cache_loc] = k
-        self.kv_pool.v_buffers[layer][batch.out_cache_loc] = v
+        self.kv_pool.store(layer, batch.out_cache_loc, k, v)
 
 
 class TorchAttention(AttentionBackend):
@@ -165,8 +164,9 @@ class TorchAttention(AttentionBackend):
         options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         self.store_kv(k, v, layer, batch)
-        k_buf = self.kv_pool.k_buffers[layer]
-        v_buf = self.kv_pool.v_buffers[layer]
+        pool = self.kv_pool
+        k_buf, v_buf = pool.k_buffers[layer], pool.v_buffers[layer]
+        k_scale, v_scale = pool.scales.k[layer], pool.scales.v[layer]
         num_tokens, num_heads, head_dim = q.shape
         window, cap, scale = options.sliding_window, options.logit_cap, options.scale
         if batch.is_decode:
@@ -175,6 +175,8 @@ class TorchAttention(AttentionBackend):
             rows = (num_tokens, -1, *k_buf.shape[1:])  # [B, L, Hkv, D]; transposed below
             keys = k_buf.index_select(0, slots.view(-1)).view(rows).transpose(1, 2)
             values = v_buf.index_select(0, slots.view(-1)).view(rows).transpose(1, 2)
+            keys = dequantize_kv(keys, k_scale, q.dtype)
+            values = dequantize_kv(values, v_scale, q.dtype)
             out = _attend(q.unsqueeze(2), keys, values, keep, cap, scale)  # [B, Hq, 1, D]
             return out.reshape(num_tokens, num_heads * head_dim)
         windowed = None if window is None else self._masks(window)
@@ -182,8 +184,8 @@ class TorchAttention(AttentionBackend):
         start = 0
         for i, (slots, ext, prefix, mask) in enumerate(self._per_req):
             qi = q[start : start + ext].transpose(0, 1)  # [Hq, ext, D]
-            ki = k_buf[slots].transpose(0, 1)  # [Hkv, seq, D]
-            vi = v_buf[slots].transpose(0, 1)
+            ki = dequantize_kv(k_buf[slots], k_scale, q.dtype).transpose(0, 1)  # [Hkv, seq, D]
+            vi = dequantize_kv(v_buf[slots], v_scale, q.dtype).transpose(0, 1)
             if windowed is not None:
                 mask = windowed[i]
             if mask is None and prefix == 0 and ext > 1:  # causal over the new tokens alone

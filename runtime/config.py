@@ -19,6 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE_ALGORITHMS = ("ngram",)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -65,6 +66,13 @@ class EngineConfig:
     max_total_tokens: int | None = option(None, "KV pool size in tokens (default: from memory)")
     mem_fraction_static: float = option(0.85, "GPU memory fraction for weights + KV pool")
     cpu_kv_cache_gb: float = option(2.0, "KV pool memory on the CPU when max_total_tokens is unset")
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the compute dtype) or fp8_e4m3 (one byte a value: twice the "
+        "tokens in the same memory; each layer's K and V divided by a scale, the checkpoint's "
+        "k_scale / v_scale where it has them, else 1.0; CUDA needs compute capability 8.9+)",
+        choices=KV_CACHE_DTYPES,
+    )
     max_running_requests: int = option(256, "max requests decoding at once")
     max_prompt_tokens: int | None = option(
         None, "refuse longer prompts (default: the context length)"

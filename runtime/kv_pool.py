@@ -5,11 +5,81 @@ NOTE: slot 0 is reserved, never handed out and stays zero: attention backends po
 positions at it, so they read harmless memory instead of another request's KV.
 The last slot (`scratch_slot`) is reserved too: padded rows of a CUDA-graph batch write their K/V
 there, so nothing a request reads is overwritten.
+
+An FP8 pool (`kv_cache_dtype fp8_e4m3`) stores each layer's K / scale and V / scale, saturated to
+e4m3's range; readers widen a value and multiply it by the scale (`KVScales`).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
+
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value: stored values saturate there
+# a layer's KV scale tensors as checkpoints name them (vLLM / SGLang / ModelOpt / compressed
+# tensors): model.layers.N.self_attn[.k_proj|.v_proj].{k_scale|v_scale|kv_scale}
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k_scale|v_scale|kv_scale)$")
+
+
+class KVScales:
+    """Per-layer scales of an FP8 KV cache (stored = value / scale): 1.0 (SGLang's and vLLM's
+    default) unless the checkpoint carries them. `take` passes a checkpoint's tensors on, minus
+    the scales it keeps."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.k = [1.0] * num_layers
+        self.v = [1.0] * num_layers
+        self.from_checkpoint = 0  # scale tensors read
+
+    def take(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            match = _KV_SCALE.search(name)
+            if match is None:
+                yield name, tensor
+                continue
+            layer, leaf = int(match.group(1)), match.group(2)
+            if tensor.numel() != 1 or layer >= len(self.k):
+                raise ValueError(
+                    f"{name}: a KV cache scale must be one number of a layer < {len(self.k)}, "
+                    f"got shape {tuple(tensor.shape)}"
+                )
+            value = float(tensor.float().reshape(()))
+            if not value > 0 or value == float("inf"):
+                raise ValueError(
+                    f"{name}: a KV cache scale must be positive and finite, got {value}"
+                )
+            if leaf in ("k_scale", "kv_scale"):
+                self.k[layer] = value
+            if leaf in ("v_scale", "kv_scale"):
+                self.v[layer] = value
+            self.from_checkpoint += 1
+
+    def describe(self) -> str:
+        if self.from_checkpoint:
+            return f"scales from the checkpoint ({self.from_checkpoint} tensors)"
+        return "scales 1.0 (the checkpoint has none)"
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in the pool's dtype; into an FP8 pool saturated to its range (a cast of a larger
+    value is not saturating on every device)."""
+    if dtype != FP8_KV_DTYPE:
+        return x
+    scaled = x.float() if scale == 1.0 else x.float() / scale
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Stored values (from `quantize_kv`) back in the compute dtype."""
+    if x.dtype == dtype:
+        return x
+    x = x.to(dtype)
+    return x if scale == 1.0 else x * scale
 
 
 class KVPool:
@@ -21,9 +91,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        scales: KVScales | None = None,
     ) -> None:
         self.size = size  # usable slots (excluding the reserved slots 0 and size + 1)
-        self.dtype = dtype
+        self.dtype = dtype  # the storage dtype: the compute dtype or FP8_KV_DTYPE
+        self.scales = scales or KVScales(num_layers)
         self.device = device
         self.scratch_slot = size + 1
         shape = (size + 2, num_kv_heads, head_dim)
@@ -35,6 +107,16 @@ class KVPool:
     @property
     def num_free(self) -> int:
         return self._num_free
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == FP8_KV_DTYPE
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Slots `loc` of a layer get the new tokens' K and V (the torch path; the Triton
+        backend's kv_store kernel does the same)."""
+        self.k_buffers[layer][loc] = quantize_kv(k, self.scales.k[layer], self.dtype)
+        self.v_buffers[layer][loc] = quantize_kv(v, self.scales.v[layer], self.dtype)
 
     @property
     def bytes_per_token(self) -> int:

@@ -12,7 +12,7 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.core import ForwardBatch
 from weft.runtime.cuda_graph import CudaGraphRunner
 from weft.runtime.hardware import cpu_bf16_flags
-from weft.runtime.kv_pool import KVPool, ReqToTokenPool
+from weft.runtime.kv_pool import FP8_KV_DTYPE, KVPool, KVScales, ReqToTokenPool
 from weft.runtime.loaders.fp8_plan import apply_fp8, fp8_text, resolve_fp8
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
@@ -39,6 +39,19 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     # bytes of float32: twice the speed); prefill's products may run in float32 there
     # (cpu_float32_products, models/cpu_gemm.py). The start log says which.
     return stored
+
+
+def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's storage dtype (kv_cache_dtype); FP8 refused where the kernels cannot read it."""
+    if config.kv_cache_dtype == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype}: the Triton kernels read e4m3 on CUDA "
+            f"compute capability 8.9 or later (Ada, Hopper); this GPU is {major}.{minor}"
+        )
+    return FP8_KV_DTYPE
 
 
 def _activation_text(dtype: torch.dtype, device: torch.device) -> str:
@@ -162,7 +175,9 @@ class ModelRunner:
         self.num_kv_heads = tp.split_kv_heads(cfg.num_kv_heads).size
         with torch.device(self.device):
             self.model = cls(cfg, self.dtype, tp=tp)
-        self._load_weights(source)
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype, self.device)
+        kv_scales = KVScales(cfg.num_layers)
+        self._load_weights(source, kv_scales)
         apply_fp8(self.model, fp8_plan)
         if fp8_plan.why:
             logger.info("FP8: %s", fp8_plan.why)
@@ -181,14 +196,15 @@ class ModelRunner:
             cfg.num_layers,
             self.num_kv_heads,
             cfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
+            kv_scales,
         )
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 8, max_ctx, self.device)
         self.attention = self._attention_backend()
         self.graphs = self._capture_graphs()
         logger.info(
-            "model %s: %s, %s on %s%s; weights: %s; KV pool %d tokens (%.2f GB)",
+            "model %s: %s, %s on %s%s; weights: %s; KV pool %d tokens (%.2f GB%s)",
             source.display_path,
             cfg.architecture,
             _activation_text(self.dtype, self.device),
@@ -197,6 +213,7 @@ class ModelRunner:
             _weights_text(quantized, self.dtype, config.quantized_prefill, fp8),
             self.kv_pool.size,
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
+            f", fp8_e4m3, {kv_scales.describe()}" if self.kv_pool.quantized else "",
         )
 
     def _attention_backend(self) -> AttentionBackend:
@@ -228,12 +245,14 @@ class ModelRunner:
             self.logits(hidden)
         return graphs
 
-    def _load_weights(self, source: ModelSource) -> None:
+    def _load_weights(self, source: ModelSource, kv_scales: KVScales) -> None:
+        """The checkpoint's tensors into the model; its KV cache scales into `kv_scales` (used
+        by an FP8 pool, else ignored)."""
         if source.load_format == "dummy":
             init_dummy(self.model, self.config.random_seed)
             return
         files = safetensors_files(source.folder)
-        weights = iter_safetensors(files, self.device, self.config.show_progress)
+        weights = kv_scales.take(iter_safetensors(files, self.device, self.config.show_progress))
         with torch.no_grad():
             loaded = self.model.load_weights(weights)  # type: ignore[operator]
         expected = {n for n, _ in self.model.named_parameters()}
@@ -248,7 +267,7 @@ class ModelRunner:
         cfg, config = self.model_config, self.config
         if config.max_total_tokens is not None:
             return config.max_total_tokens
-        per_token = 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        per_token = 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             tokens = gpu_pool_tokens(

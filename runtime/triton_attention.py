@@ -57,8 +57,15 @@ class TritonAttention(AttentionBackend):
             self._rest_prefix_lens = self._rest_prefix_lens.clone()
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
+        pool = self.kv_pool
         kv_store(
-            k, v, self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer], batch.out_cache_loc
+            k,
+            v,
+            pool.k_buffers[layer],
+            pool.v_buffers[layer],
+            batch.out_cache_loc,
+            k_scale=pool.scales.k[layer],
+            v_scale=pool.scales.v[layer],
         )
 
     def forward(
@@ -74,6 +81,7 @@ class TritonAttention(AttentionBackend):
         self.store_kv(k, v, layer, batch)
         k_buf = self.kv_pool.k_buffers[layer]
         v_buf = self.kv_pool.v_buffers[layer]
+        k_scale, v_scale = self.kv_pool.scales.k[layer], self.kv_pool.scales.v[layer]
         table = self.req_to_token.req_to_token
         num_tokens, num_heads, head_dim = q.shape
         # NOTE: a runtime argument of the kernels, not a constexpr: a model's own scale
@@ -92,6 +100,8 @@ class TritonAttention(AttentionBackend):
                 num_kv_splits=self._num_kv_splits,
                 sliding_window=options.sliding_window,
                 logit_cap=options.logit_cap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )  # [B, Hq, D], B == T
             return out.view(num_tokens, num_heads * head_dim)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -107,6 +117,8 @@ class TritonAttention(AttentionBackend):
                 num_kv_splits=self._num_kv_splits,
                 sliding_window=options.sliding_window,
                 logit_cap=options.logit_cap,
+                k_scale=k_scale,
+                v_scale=v_scale,
                 out=out[:d],
             )
         extend_attention(
@@ -121,6 +133,8 @@ class TritonAttention(AttentionBackend):
             sm_scale,
             sliding_window=options.sliding_window,
             logit_cap=options.logit_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
             out=out[d:],
         )  # [T - d, Hq, D]
         return out.view(num_tokens, num_heads * head_dim)

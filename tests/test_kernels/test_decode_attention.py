@@ -10,6 +10,7 @@ import torch
 
 from weft.kernels import decode_attention as mod
 from weft.kernels.decode_attention import decode_attention, decode_attention_ref
+from weft.runtime.kv_pool import FP8_KV_DTYPE, quantize_kv
 
 from .kernel_utils import (
     REL_TOL,
@@ -75,7 +76,8 @@ def _check(
     q = args["q"]
     as64 = {k: (v.double() if k in ("q", "k_buffer", "v_buffer") else v) for k, v in args.items()}
     # the reference reads only positions < seq_len too, so it must not see the NaNs either
-    ref = decode_attention_ref(**as64, sliding_window=sliding_window, logit_cap=logit_cap)
+    scales = {k: kwargs[k] for k in ("k_scale", "v_scale") if k in kwargs}
+    ref = decode_attention_ref(**as64, sliding_window=sliding_window, logit_cap=logit_cap, **scales)  # type: ignore[arg-type]
     if sliding_window is not None:  # the kernel must not even read the keys before the window
         starts = (args["seq_lens"] - sliding_window).clamp(min=0)
         for buf in (args["k_buffer"], args["v_buffer"]):
@@ -96,6 +98,24 @@ def _check(
 def test_decode_dtypes_and_pages(request, dtype, page_size):
     args = _case(request.node.nodeid, SMALL_DEVICE, dtype, [1, 37, 20], 4, 2, 32, page_size)
     _check(args, dtype, num_kv_splits=3, block_n=16)
+
+
+def _fp8(args: dict, k_scale: float, v_scale: float) -> dict:
+    """The case with an FP8 pool: its buffers hold K / k_scale and V / v_scale in e4m3."""
+    return {
+        **args,
+        "k_buffer": quantize_kv(args["k_buffer"], k_scale, FP8_KV_DTYPE),
+        "v_buffer": quantize_kv(args["v_buffer"], v_scale, FP8_KV_DTYPE),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_fp8_pool(request, dtype, page_size):
+    """An FP8 pool: the kernel widens each tile and applies the layer's scales (against the
+    reference on the same e4m3 values)."""
+    args = _case(request.node.nodeid, SMALL_DEVICE, dtype, [1, 37, 20], 4, 2, 32, page_size)
+    _check(_fp8(args, 0.25, 3.0), dtype, num_kv_splits=3, block_n=16, k_scale=0.25, v_scale=3.0)
 
 
 @pytest.mark.parametrize(
