@@ -163,6 +163,7 @@ def main() -> None:
     p.add_argument(
         "--quantization", default="auto", help="e.g. fp8: linear weights in e4m3 (EngineConfig)"
     )
+    p.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8_e4m3 (EngineConfig)")
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
@@ -190,6 +191,7 @@ def main() -> None:
         load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         cpu_float32_products=args.cpu_float32_products,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
@@ -224,6 +226,8 @@ def main() -> None:
             dtype = str(engine.runner.dtype).removeprefix("torch.")
             torch_dtype, folder = engine.runner.dtype, str(engine.source.folder)
             backend = type(engine.runner.attention).__name__
+            pool = engine.runner.kv_pool
+            kv_text = f"{pool.size} tokens in {str(pool.dtype).removeprefix('torch.')}"
         engine.shutdown()
         del engine  # NOTE: the next run's engine sizes its KV pool from the memory left free
         gc.collect()
@@ -237,8 +241,9 @@ def main() -> None:
     print(
         f"model     : {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'} "
         f"{config.architecture}, {dtype}, load_format={args.load_format}, {backend}, "
-        f"quantization={args.quantization}"
+        f"quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype}"
     )
+    print(f"kv pool   : {kv_text}")
     shape = (
         f"{args.groups} groups x system {args.system_len} + question {args.input_len}"
         if args.workload == "shared-prefix"

@@ -128,6 +128,7 @@ def parse_args() -> argparse.Namespace:
     engine.add_argument(
         "--quantization", default=None, help="e.g. fp8: linear weights in e4m3 (see EngineConfig)"
     )
+    engine.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_e4m3 (see EngineConfig)")
     engine.add_argument("--attention-backend", default=None)
     engine.add_argument("--chunked-prefill-size", type=int, default=None)
     engine.add_argument("--max-total-tokens", type=int, default=None)
@@ -168,6 +169,7 @@ def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
     names = (
         "dtype",
         "quantization",
+        "kv_cache_dtype",
         "attention_backend",
         "chunked_prefill_size",
         "max_total_tokens",
