@@ -41,6 +41,11 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     return stored
 
 
+# the warm-up's prefill: more rows than QUANT_MAX_ROWS, so that it takes the prefill path of
+# GGUF weights kept quantized (their dense copy) as a real prompt does
+WARM_UP_TOKENS = 2 * QUANT_MAX_ROWS
+
+
 def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV pool's storage dtype (kv_cache_dtype); FP8 refused where the kernels cannot read it."""
     if config.kv_cache_dtype == "auto":
@@ -203,6 +208,7 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 8, max_ctx, self.device)
         self.attention = self._attention_backend()
         self.graphs = self._capture_graphs()
+        self._warm_up()
         logger.info(
             "model %s: %s, %s on %s%s; weights: %s; KV pool %d tokens (%.2f GB%s)",
             source.display_path,
@@ -215,6 +221,44 @@ class ModelRunner:
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
             f", fp8_e4m3, {kv_scales.describe()}" if self.kv_pool.quantized else "",
         )
+
+    def _warm_up(self) -> None:
+        """One prefill step and one decode step on a scratch request, so that the first request
+        does not pay what a first forward pays: on a GPU the Triton kernels that CUDA-graph
+        capture did not build (the extend kernel is compiled on its first launch: seconds); on a
+        CPU little (the default model: 0.13 s, the next prefill 0.09 s). Its KV slots and row go
+        back to the pools."""
+        tokens = min(WARM_UP_TOKENS, self.context_length)
+        row = self.req_to_token.allocate()
+        slots = self.kv_pool.allocate(tokens)
+        self.req_to_token.write(row, 0, slots)
+        try:
+            for start, n in ((0, tokens - 1), (tokens - 1, 1)):
+                if n == 0:
+                    continue
+
+                def column(values: list[int]) -> torch.Tensor:
+                    return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+                batch = ForwardBatch(
+                    input_ids=column([0] * n),
+                    positions=column(list(range(start, start + n))),
+                    out_cache_loc=slots[start : start + n].to(self.device),
+                    req_pool_indices=column([row]),
+                    seq_lens=column([start + n]),
+                    prefix_lens=column([start]),
+                    extend_lens=column([n]),
+                    logits_indices=column([n - 1]),
+                    seq_lens_cpu=[start + n],
+                    prefix_lens_cpu=[start],
+                    extend_lens_cpu=[n],
+                )
+                self.logits(self.forward(batch))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.kv_pool.free(slots)
+            self.req_to_token.free(row)
 
     def _attention_backend(self) -> AttentionBackend:
         if resolve_attention_backend(self.config.attention_backend, self.device) == "triton":

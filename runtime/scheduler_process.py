@@ -260,6 +260,10 @@ class SchedulerService:
         }
 
 
+# the most the scheduler waits at start for the grammar backends (Scheduler.wait_for_grammars)
+GRAMMAR_BUILD_WAIT_S = 60.0
+
+
 class HeartbeatThread:
     """Sends the scheduler's progress to the tokenizer manager every HEARTBEAT_S, from a thread:
     the heartbeats go on during a long step and stop only when the process is frozen or gone.
@@ -321,6 +325,7 @@ def run_scheduler_process(
     try:
         started = time.perf_counter()
         service = SchedulerService(config, source, on_rank_exit=_rank_exit_report(ipc))
+        service.scheduler.wait_for_grammars(GRAMMAR_BUILD_WAIT_S)
         outbox.send(to_detok.encoder.encode(Ready(service.model_info())))
         logger.info("scheduler ready in %.1f s", time.perf_counter() - started)
         heartbeat = HeartbeatThread(ctx, ipc.tokenizer, service.scheduler)

@@ -111,11 +111,12 @@ class Constrained:
             )
         return self._grammars
 
-    def prepare(self) -> None:
+    def prepare(self) -> concurrent.futures.Future[None] | None:
         """The grammar backends built in the background from the start (a model without a
-        tokenizer has no constrained requests to build them for)."""
-        if self.output.tokenizer is not None:
-            self.grammars.prepare()
+        tokenizer has no constrained requests to build them for): the build's future."""
+        if self.output.tokenizer is None:
+            return None
+        return self.grammars.prepare()
 
     # ---- compiles in flight ---------------------------------------------------------------
 
