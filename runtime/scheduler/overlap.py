@@ -137,9 +137,7 @@ def read_tokens(
             constrained.output.append_token(req, result.token_ids[i], logprob, top)
     got = [flight.reqs[i] for i in rows]
     if speculative.enabled:
-        for req in got:
-            if not req.finished:
-                speculative.propose(req)
+        speculative.propose([req for req in got if not req.finished])
     return got
 
 

@@ -26,6 +26,7 @@ from weft.runtime.scheduler.admission import Admission, default_chunk_size
 from weft.runtime.scheduler.arrivals import Arrivals
 from weft.runtime.scheduler.batch_builder import RowPlan, build_batch
 from weft.runtime.scheduler.constrained import Constrained, MaskJob
+from weft.runtime.scheduler.draft_model import DraftModel, load_draft_model
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 from weft.runtime.scheduler.overlap import (
@@ -74,7 +75,11 @@ def build_scheduler(
         tp = Rank0(config, source, on_rank_exit)
         runner = tp.driver.runner
     end_ids = end_token_ids(tokenizer, runner.model_config, source.folder)
-    return Scheduler(config, runner, tokenizer, end_ids, tp=tp)
+    draft = None
+    if config.speculative_algorithm == "draft":
+        chunk_size = config.chunked_prefill_size or default_chunk_size(runner.device)
+        draft = load_draft_model(config, runner, tokenizer, end_ids, chunk_size=chunk_size)
+    return Scheduler(config, runner, tokenizer, end_ids, tp=tp, draft=draft)
 
 
 class Scheduler:
@@ -86,6 +91,7 @@ class Scheduler:
         end_ids: frozenset[int],
         *,
         tp: Rank0 | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.runner = runner
         self.tp = tp
@@ -101,7 +107,7 @@ class Scheduler:
         )
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
         self.constrained = Constrained(config, runner, self.output)
-        self.speculative = Speculative(config, self.memory, self.output)
+        self.speculative = Speculative(config, self.memory, self.output, draft)
         self.constrained.prepare()  # the grammar backends, built in the background from now
         self.arrivals = Arrivals(config.random_seed, self.constrained, self.memory.cache.enabled)
         self.admission = Admission(
@@ -171,6 +177,7 @@ class Scheduler:
             next(q for q in queues if req in q).remove(req)
             self.constrained.forget_job(req, self.grammar_wait)
             self.memory.release(req)
+            self.speculative.forget(req)
             self.output.finish(req, FinishReason("abort", message="aborted by request"))
         self._report(hit)
         return bool(hit)
@@ -201,6 +208,8 @@ class Scheduler:
             self._resolve()  # a retracted request must have its tokens on the host
         decision = self.admission.schedule(self.running, self.waiting, in_flight=self._unresolved)
         self.num_retractions += len(decision.retracted)
+        for req in decision.retracted:
+            self.speculative.forget(req)
         if decision.work:
             self._run(decision.work)
         elif self._unresolved:
@@ -375,6 +384,7 @@ class Scheduler:
             if req in self.running:
                 self.running.remove(req)
                 self.memory.release(req)
+            self.speculative.forget(req)
         self._report(reqs)
 
     def _report(self, reqs: list[Req]) -> None:
@@ -399,6 +409,12 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.memory.check_integrity(self.running)
+        if self.speculative.draft_model is not None:
+            self.speculative.draft_model.check_integrity()
 
     def memory_stats(self) -> dict[str, int]:
-        return self.memory.stats(self.running)
+        """The KV pool's counts (with a draft model, its pool's as draft_*)."""
+        stats = self.memory.stats(self.running)
+        if self.speculative.draft_model is not None:
+            stats |= self.speculative.draft_model.stats()
+        return stats
