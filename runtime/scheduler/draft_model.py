@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from weft.grammars.bitmask import allocate_bitmask, allowed_tokens
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import ForwardBatch, Req
 from weft.runtime.loaders.end_tokens import end_token_ids
@@ -36,6 +39,9 @@ from weft.runtime.model_runner import ModelRunner
 from weft.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("weft")
+
+# fills bitmask rows with the grammars' masks (GrammarManager.fill): (grammars, bitmask, rows)
+Fill = Callable[[list[Any], torch.Tensor, list[int]], None]
 
 
 @dataclasses.dataclass
@@ -55,12 +61,20 @@ class DraftJob:
     kv: DraftKV
     limit: int  # tokens to propose
     feed: list[int]  # tokens still to feed before the first proposal
+    grammar: Any  # RequestGrammar masking the proposals, or None
     proposed: list[int] = dataclasses.field(default_factory=list)
+    accepted: int = 0  # tokens the grammar took this round (rolled back at its end)
 
 
 class DraftModel:
     def __init__(
-        self, runner: ModelRunner, *, chunk_size: int, num_tokens: int, end_ids: frozenset[int]
+        self,
+        runner: ModelRunner,
+        *,
+        chunk_size: int,
+        num_tokens: int,
+        mask_vocab: int,
+        end_ids: frozenset[int],
     ) -> None:
         self.runner = runner
         self.kv_pool = runner.kv_pool
@@ -69,16 +83,20 @@ class DraftModel:
         # NOTE: a padded lm_head may have more rows than the tokenizer has tokens (and the
         # target fewer than the draft): the argmax is taken over the tokenizer's ids only
         self.num_tokens = num_tokens
+        self.mask_vocab = mask_vocab  # the grammars' bitmask width: the target's vocab size
         self.end_ids = end_ids
         self.kvs: dict[Req, DraftKV] = {}
 
     # ---- a round --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(self, wants: list[tuple[Req, int]]) -> list[list[int]]:
+    def propose(
+        self, wants: list[tuple[Req, int]], *, fill: Fill | None, unmasked: Collection[Req] = ()
+    ) -> list[list[int]]:
         """Up to `limit` greedy tokens after each request's tokens and draft so far (`req.draft`:
         the grammar's forced tokens), by request of `wants` ([] where the draft pool has no
-        room for it: its draft KV is dropped)."""
+        room for it: its draft KV is dropped). A request's grammar masks its proposals (`fill`
+        writes the masks), unless it is `unmasked` (another thread fills its next mask now)."""
         jobs: dict[Req, DraftJob] = {}
         reserved = 0
         for req, limit in wants:
@@ -93,15 +111,26 @@ class DraftModel:
                 continue
             reserved += need
             kv.synced = end
-            jobs[req] = DraftJob(req, kv, limit, feed)
-        self._catch_up(list(jobs.values()))
-        drafting = [j for j in jobs.values() if not self._done(j)]
-        while drafting:
-            firsts = self._forward([(j.kv, j.proposed[-1:]) for j in drafting])
-            for job, token in zip(drafting, firsts, strict=True):
-                job.proposed.append(token)
-            drafting = [j for j in drafting if not self._done(j)]
+            masked = fill is not None and req.grammar is not None and req not in unmasked
+            jobs[req] = DraftJob(req, kv, limit, feed, req.grammar if masked else None)
+        try:
+            self._draft(list(jobs.values()), fill)
+        finally:
+            for job in jobs.values():
+                if job.accepted:
+                    job.grammar.rollback(job.accepted)
         return [jobs[req].proposed if req in jobs else [] for req, _ in wants]
+
+    def _draft(self, jobs: list[DraftJob], fill: Fill | None) -> None:
+        for job in jobs:
+            if job.grammar is not None:
+                self._take(job, job.req.draft)  # the forced tokens, ahead of the proposals
+        self._catch_up(jobs, fill)
+        drafting = [j for j in jobs if not self._done(j)]
+        while drafting:
+            logits = self._forward([(j.kv, j.proposed[-1:]) for j in drafting])
+            self._pick(drafting, logits, fill)
+            drafting = [j for j in drafting if not self._done(j)]
 
     def _synced(self, req: Req) -> DraftKV | None:
         """The request's draft KV cut back to the request's own tokens (a new, empty one on its
@@ -119,10 +148,12 @@ class DraftModel:
             if fed != own:
                 break
             keep += 1
-        self._truncate(kv, keep)
+        # NOTE: the last token is fed again where its KV is there (a draft token the target
+        # sampled itself, under the overlap schedule): its logits give the first proposal
+        self._truncate(kv, min(keep, end - 1))
         return kv
 
-    def _catch_up(self, jobs: list[DraftJob]) -> None:
+    def _catch_up(self, jobs: list[DraftJob], fill: Fill | None) -> None:
         """Feed every job's unseen tokens, at most chunk_size tokens a forward; a job's last
         chunk gives its first proposal."""
         while True:
@@ -134,22 +165,52 @@ class DraftModel:
                     budget -= len(parts[-1][1])
             if not parts:
                 return
-            tokens = self._forward([(job.kv, chunk) for job, chunk in parts])
-            for (job, chunk), token in zip(parts, tokens, strict=True):
+            logits = self._forward([(job.kv, chunk) for job, chunk in parts])
+            fed = []
+            for i, (job, chunk) in enumerate(parts):
                 del job.feed[: len(chunk)]
                 if not job.feed:
-                    job.proposed.append(token)
+                    fed.append(i)
+            if fed:
+                self._pick([parts[i][0] for i in fed], logits[fed], fill)
+
+    def _pick(self, jobs: list[DraftJob], logits: torch.Tensor, fill: Fill | None) -> None:
+        """Each job's next proposal: the argmax of its row of logits, under its grammar's mask
+        where it has one (the grammar takes the token then)."""
+        masked = [i for i, job in enumerate(jobs) if job.grammar is not None]
+        if masked and fill is not None:
+            bitmask = allocate_bitmask(len(jobs), self.mask_vocab)
+            fill([jobs[i].grammar for i in masked], bitmask, masked)
+            constrained = torch.zeros(len(jobs), dtype=torch.bool)
+            constrained[masked] = True
+            allowed = allowed_tokens(bitmask, constrained, self.num_tokens)
+            assert allowed is not None
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        tokens = logits.argmax(dim=-1).tolist()  # NOTE: a host sync per draft position
+        for job, token in zip(jobs, tokens, strict=True):
+            job.proposed.append(token)
+            if job.grammar is not None and not self._ends(job, token):
+                self._take(job, [token])
+
+    def _take(self, job: DraftJob, tokens: list[int]) -> None:
+        """Tokens through the job's grammar; one it refuses ends the job's draft (the verify
+        cuts the draft there too)."""
+        for token in tokens:
+            if not job.grammar.accept(token):
+                job.limit = len(job.proposed)
+                return
+            job.accepted += 1
+
+    def _ends(self, job: DraftJob, token: int) -> bool:
+        return token in self.end_ids or token in job.req.params.stop_token_ids
 
     def _done(self, job: DraftJob) -> bool:
         """Proposed enough, or an end token (the drafts are cut before it: none after it)."""
-        if len(job.proposed) >= job.limit:
-            return True
-        last = job.proposed[-1]
-        return last in self.end_ids or last in job.req.params.stop_token_ids
+        return len(job.proposed) >= job.limit or self._ends(job, job.proposed[-1])
 
-    def _forward(self, parts: list[tuple[DraftKV, list[int]]]) -> list[int]:
-        """One forward of the draft model feeding each part's tokens behind its KV; the argmax
-        after each part's last token."""
+    def _forward(self, parts: list[tuple[DraftKV, list[int]]]) -> torch.Tensor:
+        """One forward of the draft model feeding each part's tokens behind its KV: the logits
+        [len(parts), num_tokens] after each part's last token."""
         ids: list[int] = []
         positions: list[int] = []
         token_rows: list[int] = []
@@ -189,8 +250,7 @@ class DraftModel:
         )
         self.req_to_token.scatter(column(token_rows), batch.positions, batch.out_cache_loc)
         hidden = self.runner.forward(batch)
-        logits = self.runner.logits(hidden)[:, : self.num_tokens]
-        return logits.argmax(dim=-1).tolist()  # NOTE: a host sync per draft position
+        return self.runner.logits(hidden)[:, : self.num_tokens]
 
     # ---- memory ---------------------------------------------------------------------------
 
@@ -262,7 +322,13 @@ def load_draft_model(
     source = resolve_source(draft_config)
     num_tokens = _check_vocabulary(path, source, target.model_config, tokenizer, end_ids)
     runner = ModelRunner(draft_config, source)
-    return DraftModel(runner, chunk_size=chunk_size, num_tokens=num_tokens, end_ids=end_ids)
+    return DraftModel(
+        runner,
+        chunk_size=chunk_size,
+        num_tokens=num_tokens,
+        mask_vocab=target.model_config.vocab_size,
+        end_ids=end_ids,
+    )
 
 
 def _check_vocabulary(

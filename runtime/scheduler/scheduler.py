@@ -370,11 +370,21 @@ class Scheduler:
         got = read_tokens(flight, self.constrained, self.speculative, early)
         self.profile.host("accept_s", start)
         self.profile.mark("accept")
+        if self.speculative.enabled:
+            self._propose([req for req in got if not req.finished])
         for req in got:
             if req.finished:
                 self._end([req])
             else:
                 self._report([req])
+
+    def _propose(self, reqs: list[Req]) -> None:
+        """The requests' next drafts. NOTE: the next step's mask fill may have started during
+        the read-back (`_start_early`): the draft model leaves those requests' matchers alone."""
+        constrained = any(req.grammar is not None for req in reqs)
+        fill = self.grammars.fill if constrained else None
+        busy = self._early[1] if self._early is not None else []
+        self.speculative.propose(reqs, fill=fill, unmasked=busy)
 
     def _end(self, reqs: list[Req], reason: FinishReason | None = None) -> None:
         """Running requests are done: free their KV and report them."""

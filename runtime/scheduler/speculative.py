@@ -29,10 +29,11 @@ at every drafted position.)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import Req
-from weft.runtime.scheduler.draft_model import DraftModel
+from weft.runtime.scheduler.draft_model import DraftModel, Fill
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 
@@ -92,6 +93,7 @@ class Speculation:
     limit: int  # drafted tokens the next draft may have (adapts to what was kept)
     index: NgramIndex = dataclasses.field(default_factory=NgramIndex)
     forced: int = 0  # leading tokens of the request's draft that its grammar forces
+    proposed: int = 0  # the drafter's tokens after them (before the grammar's cut)
     misses: int = 0  # drafts rejected whole in a row
     skip: int = 0  # tokens to go before the next draft (after misses)
     verify_ct: int = 0  # forwards that verified a draft of this request
@@ -138,14 +140,17 @@ class Speculative:
             and (thinking is None or (thinking.ended and not thinking.in_gap))
         )
 
-    def propose(self, reqs: list[Req]) -> None:
+    def propose(
+        self, reqs: list[Req], *, fill: Fill | None = None, unmasked: Collection[Req] = ()
+    ) -> None:
         """After the requests' tokens: each one's draft (the grammar's, if any) extended by the
-        drafter (the draft model: one batch for all), cut before any end token (the grammar
-        would take it for good)."""
+        drafter, cut before any end token (the grammar would take it for good). The draft
+        model drafts for all at once, under each request's grammar (`fill` writes the masks)
+        unless it is `unmasked` (its matcher is busy: the verify cuts its draft instead)."""
         wants = [(req, limit) for req in reqs if (limit := self._limit(req)) > 0]
         if self.config.speculative_algorithm == "draft":
             assert self.draft_model is not None, "speculative_algorithm draft: no draft model"
-            drafts = self.draft_model.propose(wants)
+            drafts = self.draft_model.propose(wants, fill=fill, unmasked=unmasked)
         else:
             drafts = [self._ngram(req, limit) for req, limit in wants]
         ends = self.output.end_ids
@@ -155,6 +160,7 @@ class Speculative:
                 if tid in ends or tid in stops:
                     del draft[i:]
                     break
+            req.spec.proposed = len(draft)
             req.draft = req.draft + draft
 
     def _limit(self, req: Req) -> int:
@@ -167,6 +173,7 @@ class Speculative:
         if spec is None:
             spec = req.spec = Speculation(limit=self.config.speculative_num_draft_tokens)
         spec.forced = len(req.draft)
+        spec.proposed = 0
         if spec.skip > 0:
             spec.skip -= 1
             return 0
@@ -194,18 +201,30 @@ class Speculative:
             taken += 1
         self.memory.truncate(req, req.seq_len + taken)  # (its token is read: none pending)
         spec = req.spec
-        if spec is not None and len(draft) > spec.forced:
-            self._count(spec, len(draft) - spec.forced, max(taken - spec.forced, 0))
+        if spec is None:
+            return taken
+        drafted, kept = len(draft) - spec.forced, max(taken - spec.forced, 0)
+        if drafted > 0:
+            self._count(spec, drafted, kept)
+        # NOTE: the draft model's tokens the grammar cut count as rejected: each costs a forward
+        # of the draft model (n-gram drafts cost nothing until verified)
+        if self.config.speculative_algorithm == "draft" and spec.proposed > 0:
+            self._adapt(spec, spec.proposed, kept)
+        elif drafted > 0:
+            self._adapt(spec, drafted, kept)
         return taken
 
     def _count(self, spec: Speculation, drafted: int, kept: int) -> None:
-        """A verified n-gram draft: the counts, and how the request drafts next."""
+        """A verified draft's counts (meta_info, /metrics)."""
         spec.verify_ct += 1
         spec.draft_tokens += drafted
         spec.accepted_tokens += kept
         self.verify_ct += 1
         self.draft_tokens += drafted
         self.accepted_tokens += kept
+
+    def _adapt(self, spec: Speculation, drafted: int, kept: int) -> None:
+        """How the request drafts next, after `kept` of the `drafted` tokens were kept."""
         if kept == drafted:
             spec.limit = min(2 * spec.limit, self.config.speculative_num_draft_tokens)
         else:
