@@ -306,22 +306,22 @@ def load_draft_model(
     assert path is not None
     if not Path(path).expanduser().exists():
         raise FileNotFoundError(f"speculative_draft_model_path {path!r} does not exist")
-    dtype = str(target.dtype).removeprefix("torch.")
     draft_config = config.replace(
         model_path=path,
         tokenizer_path=None,
         load_format="dummy" if config.load_format == "dummy" else "auto",
-        dtype=dtype,
+        dtype=str(target.dtype).removeprefix("torch."),
         device=str(target.device),
         context_length=target.context_length,
-        max_total_tokens=target.kv_pool.size,
         disable_cuda_graph=True,
         speculative_algorithm=None,
         speculative_draft_model_path=None,
     )
     source = resolve_source(draft_config)
-    num_tokens = _check_vocabulary(path, source, target.model_config, tokenizer, end_ids)
-    runner = ModelRunner(draft_config, source)
+    model = ModelConfig.from_folder(source.folder)
+    num_tokens = _check_vocabulary(path, source, model, target.model_config, tokenizer, end_ids)
+    pool = _pool_tokens(config, model, target)
+    runner = ModelRunner(draft_config.replace(max_total_tokens=pool), source)
     return DraftModel(
         runner,
         chunk_size=chunk_size,
@@ -331,9 +331,28 @@ def load_draft_model(
     )
 
 
+def _pool_tokens(config: EngineConfig, model: ModelConfig, target: ModelRunner) -> int:
+    """The draft's KV pool: as many tokens as the target's; on a GPU whose memory the target
+    sized its pool from (no max_total_tokens), at most what half the memory left now holds
+    (the rest: the draft's weights, activations)."""
+    tokens = target.kv_pool.size
+    if config.max_total_tokens is None and target.device.type == "cuda":
+        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
+        per_token *= target.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(target.device)
+        tokens = min(tokens, free // 2 // per_token)
+        if tokens < target.context_length:
+            raise ValueError(
+                f"speculative_draft_model_path: no GPU memory left for the draft model's KV "
+                f"cache ({tokens} tokens): lower mem_fraction_static"
+            )
+    return tokens
+
+
 def _check_vocabulary(
     path: str,
     source: ModelSource,
+    model: ModelConfig,
     target: ModelConfig,
     tokenizer: PreTrainedTokenizerBase | None,
     end_ids: frozenset[int],
@@ -342,7 +361,6 @@ def _check_vocabulary(
     ValueError where the draft's tokenizer or end tokens are not the target's. Model vocab
     sizes may differ where both cover the tokenizer (padded lm_heads: Qwen2.5-0.5B has 151936
     rows, Qwen2.5-7B 152064, one tokenizer)."""
-    model = ModelConfig.from_folder(source.folder)
     field = "speculative_draft_model_path"
     draft_tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
     if tokenizer is None or draft_tokenizer is None:
