@@ -1,9 +1,11 @@
-"""Speculative decoding with a draft model: a small model of the target's tokenizer drafts, greedily,
-the tokens the target then verifies (speculative.py: the verify, and why it stays exact).
+"""Speculative decoding with a draft model: a small model of the target's tokenizer drafts,
+greedily, the tokens the target then verifies (speculative.py: the verify, and why it stays
+exact).
 
-The draft model has a runner of its own beside the target's (weights, KV pool, req_to_token
-rows; the same device and dtype; run eagerly, no CUDA graphs; no prefix cache). Per speculating
-request it holds the KV of some of the request's tokens (`DraftKV`):
+The draft model has a runner of its own beside the target's (weights, a KV pool of as many
+tokens as the target's, req_to_token rows; the same device and dtype; run eagerly, no CUDA
+graphs; no prefix cache). Per speculating request it holds the KV of some of the request's
+tokens (`DraftKV`), freed when the request finishes, is aborted or retracted (`forget`):
 
     | 0 .......... synced | ............... len(tokens) |
     | the request's own   | fed while drafting: the     |
@@ -15,7 +17,8 @@ back to the longest prefix that is still the request's text (the draft tokens th
 stay; the rest is freed), feeds the tokens the draft has not seen (the first time the whole
 prompt and output, as a prefill in chunks of at most chunk_size tokens a forward), then the
 grammar's forced tokens, and proposes up to `limit` tokens: one forward of the draft model per
-draft position over all drafting requests, each taking the argmax.
+draft position over all drafting requests, each taking the argmax under its grammar's mask (the
+grammar takes the forced and proposed tokens meanwhile, and is rolled back after).
 """
 
 from __future__ import annotations

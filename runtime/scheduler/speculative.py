@@ -125,7 +125,7 @@ class Speculative:
         return self.config.speculative_algorithm is not None
 
     def speculates(self, req: Req) -> bool:
-        """Whether n-gram drafts extend this request's (where the server speculates): unless it
+        """Whether drafts extend this request's (where the server speculates): unless it
         opted out; not with logprobs asked for (a draft token has none), penalties
         or min_new_tokens still to reach (the draft rows would share the request's penalties and
         token count as they stand before the draft), nor in a thinking phase (its end marker
