@@ -25,6 +25,7 @@ from test_speculative import (
     _accepted,
     _chi_square_pvalue,
     _next_token_probs,
+    _req,
 )
 
 from weft import Engine
@@ -243,6 +244,29 @@ def test_sampling_keeps_the_distribution_with_a_draft_model(itself):
     observed.append(n - sum(observed))
     wanted.append(n - sum(wanted))
     assert _chi_square_pvalue(observed, wanted) > 1e-3, (common, observed, wanted)
+
+
+def test_the_draft_model_drafts_less_after_the_grammar_cuts_its_drafts():
+    """Tokens of the draft model that the grammar cut count as rejected (each cost a forward of
+    the draft model); the counters count what was verified."""
+    from weft.runtime.scheduler.speculative import Speculation, Speculative
+
+    class Memory:
+        def truncate(self, req, kv_len):
+            pass
+
+    config = EngineConfig(speculative_algorithm="draft", speculative_draft_model_path="/x")
+    speculative = Speculative(config, Memory(), None)
+    req = _req([1, 2, 3])
+    req.spec = spec = Speculation(limit=8, proposed=8)
+    assert speculative.take_draft(req, [4, 5], [4, 5, 6]) == 2  # cut after 2 of 8, both kept
+    assert (spec.limit, spec.draft_tokens, spec.accepted_tokens) == (3, 2, 2)
+    spec.proposed = 3
+    assert speculative.take_draft(req, [], [7]) == 0  # cut whole: a miss, nothing verified
+    assert (spec.limit, spec.misses, spec.skip, spec.verify_ct) == (2, 1, 1, 1)
+    spec.proposed = 2
+    assert speculative.take_draft(req, [8, 9], [8, 9, 1]) == 2  # kept whole: doubled
+    assert (spec.limit, spec.misses) == (4, 0)
 
 
 # ---- refusals -------------------------------------------------------------------------------
