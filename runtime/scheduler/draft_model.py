@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +93,11 @@ class DraftModel:
     # ---- a round --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(
-        self, wants: list[tuple[Req, int]], *, fill: Fill | None, unmasked: Collection[Req] = ()
-    ) -> list[list[int]]:
+    def propose(self, wants: list[tuple[Req, int]], *, fill: Fill | None) -> list[list[int]]:
         """Up to `limit` greedy tokens after each request's tokens and draft so far (`req.draft`:
         the grammar's forced tokens), by request of `wants` ([] where the draft pool has no
         room for it: its draft KV is dropped). A request's grammar masks its proposals (`fill`
-        writes the masks), unless it is `unmasked` (another thread fills its next mask now)."""
+        writes the masks)."""
         jobs: dict[Req, DraftJob] = {}
         reserved = 0
         for req, limit in wants:
@@ -114,7 +112,7 @@ class DraftModel:
                 continue
             reserved += need
             kv.synced = end
-            masked = fill is not None and req.grammar is not None and req not in unmasked
+            masked = fill is not None and req.grammar is not None
             jobs[req] = DraftJob(req, kv, limit, feed, req.grammar if masked else None)
         try:
             self._draft(list(jobs.values()), fill)

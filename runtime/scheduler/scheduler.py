@@ -371,20 +371,21 @@ class Scheduler:
         self.profile.host("accept_s", start)
         self.profile.mark("accept")
         if self.speculative.enabled:
-            self._propose([req for req in got if not req.finished])
+            self._propose([req for req in got if not req.finished], plans or [])
         for req in got:
             if req.finished:
                 self._end([req])
             else:
                 self._report([req])
 
-    def _propose(self, reqs: list[Req]) -> None:
-        """The requests' next drafts. NOTE: the next step's mask fill may have started during
-        the read-back (`_start_early`): the draft model leaves those requests' matchers alone."""
+    def _propose(self, reqs: list[Req], launched: list[RowPlan]) -> None:
+        """The requests' next drafts. The draft model defers those of the step just launched
+        (overlap schedule): it feeds their token without a draft, and may be filling their
+        masks already (`_start_early`: the draft model must leave those matchers alone)."""
         constrained = any(req.grammar is not None for req in reqs)
         fill = self.grammars.fill if constrained else None
-        busy = self._early[1] if self._early is not None else []
-        self.speculative.propose(reqs, fill=fill, unmasked=busy)
+        defer = {p.req for p in launched if p.sample_row is not None}
+        self.speculative.propose(reqs, fill=fill, defer=defer)
 
     def _end(self, reqs: list[Req], reason: FinishReason | None = None) -> None:
         """Running requests are done: free their KV and report them."""

@@ -94,6 +94,9 @@ class Speculation:
     index: NgramIndex = dataclasses.field(default_factory=NgramIndex)
     forced: int = 0  # leading tokens of the request's draft that its grammar forces
     proposed: int = 0  # the drafter's tokens after them (before the grammar's cut)
+    # the draft model's tokens once its token is on the host (drafting now is wasted: the step
+    # under way feeds that token without a draft); admission sits the request out for them
+    deferred: int = 0
     misses: int = 0  # drafts rejected whole in a row
     skip: int = 0  # tokens to go before the next draft (after misses)
     verify_ct: int = 0  # forwards that verified a draft of this request
@@ -141,16 +144,20 @@ class Speculative:
         )
 
     def propose(
-        self, reqs: list[Req], *, fill: Fill | None = None, unmasked: Collection[Req] = ()
+        self, reqs: list[Req], *, fill: Fill | None = None, defer: Collection[Req] = ()
     ) -> None:
         """After the requests' tokens: each one's draft (the grammar's, if any) extended by the
         drafter, cut before any end token (the grammar would take it for good). The draft
-        model drafts for all at once, under each request's grammar (`fill` writes the masks)
-        unless it is `unmasked` (its matcher is busy: the verify cuts its draft instead)."""
+        model drafts for all at once, under each request's grammar (`fill` writes the masks),
+        but not for those in `defer`: a step that feeds them without a draft is under way
+        (overlap schedule); `Speculation.deferred` says what they would have drafted."""
         wants = [(req, limit) for req in reqs if (limit := self._limit(req)) > 0]
         if self.config.speculative_algorithm == "draft":
             assert self.draft_model is not None, "speculative_algorithm draft: no draft model"
-            drafts = self.draft_model.propose(wants, fill=fill, unmasked=unmasked)
+            for req, limit in wants:
+                req.spec.deferred = limit if req in defer else 0
+            wants = [(req, limit) for req, limit in wants if req not in defer]
+            drafts = self.draft_model.propose(wants, fill=fill)
         else:
             drafts = [self._ngram(req, limit) for req, limit in wants]
         ends = self.output.end_ids
@@ -173,7 +180,7 @@ class Speculative:
         if spec is None:
             spec = req.spec = Speculation(limit=self.config.speculative_num_draft_tokens)
         spec.forced = len(req.draft)
-        spec.proposed = 0
+        spec.proposed = spec.deferred = 0
         if spec.skip > 0:
             spec.skip -= 1
             return 0
