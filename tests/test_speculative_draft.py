@@ -213,6 +213,24 @@ def test_retractions_free_the_draft_kv(stories_dir, itself):
     assert small.memory_stats()["draft_in_use"] == 0
 
 
+def test_a_failed_draft_round_costs_only_its_drafts(itself, monkeypatch):
+    with not_speculating(itself):
+        want = itself.generate(STORIES[1], GREEDY)
+    draft = itself.scheduler.speculative.draft_model
+    real, calls = draft._forward, []
+
+    def flaky(parts):
+        calls.append(len(parts))
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(parts)
+
+    monkeypatch.setattr(draft, "_forward", flaky)
+    got = itself.generate(STORIES[1], GREEDY)
+    assert got["output_ids"] == want["output_ids"] and len(calls) > 3
+    assert got["meta_info"]["spec_verify_ct"] > 0
+
+
 def test_sampling_keeps_the_distribution_with_a_draft_model(itself):
     """As test_speculative's n-gram test: given the most likely first token t0, the pairs
     (t1, t2) at temperature 1 must follow p(t1 | t0) p(t2 | t0, t1); the model drafting for

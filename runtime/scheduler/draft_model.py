@@ -116,11 +116,23 @@ class DraftModel:
             jobs[req] = DraftJob(req, kv, limit, feed, req.grammar if masked else None)
         try:
             self._draft(list(jobs.values()), fill)
+        except Exception:  # NOTE: a grammar backend's bug: the verify's mask fill ends its request
+            logger.exception("the draft model's round failed: no drafts for its requests")
+            for req in jobs:
+                self.forget(req)  # (KV of tokens whose forward failed must not be kept)
+            return [[] for _ in wants]
         finally:
-            for job in jobs.values():
+            self._roll_back(list(jobs.values()))
+        return [jobs[req].proposed if req in jobs else [] for req, _ in wants]
+
+    def _roll_back(self, jobs: list[DraftJob]) -> None:
+        """The grammars as they were before the round."""
+        for job in jobs:
+            try:
                 if job.accepted:
                     job.grammar.rollback(job.accepted)
-        return [jobs[req].proposed if req in jobs else [] for req, _ in wants]
+            except Exception:  # (the request's next mask fill reports the backend's failure)
+                logger.exception("grammar rollback failed after a draft of request %s", job.req.rid)
 
     def _draft(self, jobs: list[DraftJob], fill: Fill | None) -> None:
         for job in jobs:
