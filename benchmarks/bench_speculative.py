@@ -1,8 +1,10 @@
-"""Speculative decoding (n-gram drafts): tok/s with and without it, in one process, on three
-workloads of the default model.
+"""Speculative decoding (n-gram drafts, or a draft model's): tok/s with and without it, in one
+process, on three workloads of the default model.
 
     python benchmarks/bench_speculative.py                       # batch 1, ~2 min on a CPU
     python benchmarks/bench_speculative.py --batch 1 4 --draft-tokens 4 8 16
+    python benchmarks/bench_speculative.py --model-path BIG --speculative-algorithm draft \
+        --speculative-draft-model-path SMALL                     # a draft model of its tokenizer
 
 Workloads (chat template applied, greedy):
 - code: a 40-line Python function and "rename the variable ... and return the full code": the
@@ -21,6 +23,7 @@ and without speculation are compared: a difference is a bug and is reported loud
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -96,7 +99,10 @@ STORY = "Write a long story about a dragon who learns to bake bread in a small m
 
 
 def chat(engine: Engine, text: str) -> str:
+    """The text as a user turn of the chat template (as it is for a model without one)."""
     assert engine.tokenizer is not None
+    if engine.tokenizer.chat_template is None:
+        return text
     return engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
@@ -115,14 +121,33 @@ def run(
     return time.perf_counter() - start, outs
 
 
-def speculation(engine: Engine, algorithm: str | None, draft_tokens: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """The speculation measured: ngram, or draft with the draft model the engine loaded."""
+
+    algorithm: str
+    draft_model_path: str | None = None
+
+
+def speculation(engine: Engine, drafter: Drafter | None, draft_tokens: int) -> None:
+    """The engine with this speculation from now on (None: none; the draft model stays
+    loaded)."""
     engine.scheduler.config = engine.scheduler.config.replace(
-        speculative_algorithm=algorithm, speculative_num_draft_tokens=draft_tokens
+        speculative_algorithm=drafter.algorithm if drafter else None,
+        speculative_draft_model_path=drafter.draft_model_path if drafter else None,
+        speculative_num_draft_tokens=draft_tokens,
     )
 
 
 def measure(
-    engine: Engine, name: str, batch: int, draft_tokens: int, max_new: int, repeats: int
+    engine: Engine,
+    drafter: Drafter,
+    name: str,
+    *,
+    batch: int,
+    draft_tokens: int,
+    max_new: int,
+    repeats: int,
 ) -> dict[str, Any]:
     """One workload at one batch size: tok/s without and with speculation."""
     greedy = {"temperature": 0.0, "max_new_tokens": max_new}
@@ -134,8 +159,11 @@ def measure(
         text = CODE_PROMPT if name == "code" else STORY
         prompts = [chat(engine, text)] * batch
         constrained = [greedy] * len(prompts)
+    warm_up = [{**constrained[0], "max_new_tokens": 8}]
+    speculation(engine, drafter, draft_tokens)
+    run(engine, prompts[:1], warm_up, 1)  # (the draft model's first steps too)
     speculation(engine, None, draft_tokens)
-    run(engine, prompts[:1], [{**constrained[0], "max_new_tokens": 8}], 1)  # warm-up
+    run(engine, prompts[:1], warm_up, 1)
     _, reference = run(engine, prompts, constrained, batch)  # the outputs speculation must repeat
     plain_params = constrained
     if name == "json":  # the baseline: unconstrained, as many tokens as each constrained output
@@ -146,15 +174,15 @@ def measure(
     firsts = [{**c, "max_new_tokens": 1} for c in constrained]
     walls: dict[str, float] = {}
     for _ in range(repeats):  # NOTE: interleaved, the fastest of each: a shared CPU is noisy
-        for key, algorithm, params in (
+        for key, spec_drafter, params in (
             ("prefill", None, firsts),
             ("no_spec", None, constrained),
             ("plain", None, plain_params),
-            ("spec", "ngram", constrained),
+            ("spec", drafter, constrained),
         ):
             if key == "plain" and name != "json":
                 continue  # the same run as no_spec
-            speculation(engine, algorithm, draft_tokens)
+            speculation(engine, spec_drafter, draft_tokens)
             wall, outs = run(engine, prompts, params, batch)
             walls[key] = min(walls.get(key, wall), wall)
             if key == "spec":
@@ -190,6 +218,7 @@ def measure(
 
     return {
         "workload": name,
+        "algorithm": drafter.algorithm,
         "batch": batch,
         "draft_tokens": draft_tokens,
         "tokens": sum(len(o["output_ids"]) for o in spec),
@@ -211,6 +240,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--workload", nargs="+", default=["code", "json", "miss"])
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[8])
+    p.add_argument("--speculative-algorithm", choices=["ngram", "draft"], default="ngram")
+    p.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="with --speculative-algorithm draft: the draft model (of the model's tokenizer)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--repeats", type=int, default=2, help="the fastest of interleaved runs")
     p.add_argument("--num-threads", type=int, default=None)
@@ -219,9 +254,17 @@ def main() -> None:
     kwargs: dict[str, Any] = dict(show_progress=False, log_level="warning", device=args.device)
     if args.num_threads is not None:
         kwargs["num_threads"] = args.num_threads
+    drafter = Drafter(args.speculative_algorithm, args.speculative_draft_model_path)
+    if drafter.algorithm == "draft":  # loaded with the model; off (unused) in the baselines
+        kwargs["speculative_algorithm"] = "draft"
+        kwargs["speculative_draft_model_path"] = drafter.draft_model_path
     engine = Engine(args.model_path, **kwargs)
     print(f"# device: {describe_device(engine.runner.device)}")
     print(f"# model: {args.model_path or 'default (Qwen2.5-Coder-0.5B-Instruct)'}")
+    if drafter.algorithm == "draft":
+        print(f"# speculation: the draft model {drafter.draft_model_path}")
+    else:
+        print("# speculation: n-gram drafts")
     print("# tok/s: decode (output tokens after each first / wall time after the prefill)")
     print("# plain: without speculation (json: unconstrained, the same token counts)")
     print("# no spec: the workload itself without speculation (json: constrained)")
@@ -234,7 +277,15 @@ def main() -> None:
         for draft_tokens in args.draft_tokens:
             for name in args.workload:
                 max_new = args.max_new_tokens if name != "json" else 120
-                r = measure(engine, name, batch, draft_tokens, max_new, args.repeats)
+                r = measure(
+                    engine,
+                    drafter,
+                    name,
+                    batch=batch,
+                    draft_tokens=draft_tokens,
+                    max_new=max_new,
+                    repeats=args.repeats,
+                )
                 ratio = r["tok_s_spec"] / r["tok_s_plain"]
                 print(
                     f"{r['workload']:<8}  {batch:>5}  {draft_tokens:>5}  {r['tokens']:>6}  "

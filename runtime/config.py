@@ -18,7 +18,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "fp8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-SPECULATIVE_ALGORITHMS = ("ngram",)
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
@@ -142,10 +142,17 @@ class EngineConfig:
     speculative_algorithm: str | None = option(
         None,
         "speculative decoding: ngram drafts the tokens that followed the text's last few tokens "
-        "earlier in the prompt or output (after a grammar's forced tokens), and the model "
-        "verifies them in one forward; greedy outputs are unchanged, sampled ones keep their "
-        "distribution (a request opts out with sampling param speculative false)",
+        "earlier in the prompt or output, draft has a small model of the same tokenizer "
+        "(speculative_draft_model_path) draft them greedily (both after a grammar's forced "
+        "tokens), and the model verifies them in one forward; greedy outputs are unchanged, "
+        "sampled ones keep their distribution (a request opts out with sampling param "
+        "speculative false)",
         choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_draft_model_path: str | None = option(
+        None,
+        "with speculative_algorithm draft: the draft model (HF folder or .gguf file, loaded as "
+        "the model is, dummy weights included), of the model's vocabulary and end tokens",
     )
     speculative_num_draft_tokens: int = option(
         8, "most draft tokens a request verifies in one forward (speculative decoding)"
@@ -221,6 +228,7 @@ class EngineConfig:
         if not self.grammar_race_budget >= 0:
             raise ValueError(f"grammar_race_budget must be >= 0, got {self.grammar_race_budget}")
         self._check_parallel()
+        self._check_speculative()
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
 
@@ -241,6 +249,22 @@ class EngineConfig:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+
+    def _check_speculative(self) -> None:
+        drafting = self.speculative_algorithm == "draft"
+        if drafting and self.speculative_draft_model_path is None:
+            raise ValueError(
+                "speculative_algorithm 'draft' needs speculative_draft_model_path (the draft model)"
+            )
+        if not drafting and self.speculative_draft_model_path is not None:
+            raise ValueError(
+                "speculative_draft_model_path is given but speculative_algorithm is "
+                f"{self.speculative_algorithm!r}: set speculative_algorithm to 'draft'"
+            )
+        if drafting and self.tp_size > 1:
+            raise ValueError(
+                "speculative_draft_model_path: a draft model with tp_size > 1 is not supported yet"
+            )
 
     @property
     def ranks_per_node(self) -> int:

@@ -222,7 +222,8 @@ def make_engine(model_path, **kwargs):
 
 @pytest.fixture(autouse=True)
 def _audit_kv_integrity():
-    """After every test: free + cached + in-use == total in every live engine, nothing running."""
+    """After every test: free + cached + in-use == total in every live engine (free + in-use ==
+    total in a draft model's pool), nothing running."""
     yield
     for engine in list(_LIVE_ENGINES):
         if engine._stopped:
@@ -231,6 +232,7 @@ def _audit_kv_integrity():
         engine.check_integrity()
         stats = engine.memory_stats()
         assert stats["in_use"] == 0, f"KV still held after the test: {stats}"
+        assert stats.get("draft_in_use", 0) == 0, f"draft KV still held after the test: {stats}"
 
 
 def pytest_sessionfinish(session, exitstatus):

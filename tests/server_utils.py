@@ -207,4 +207,5 @@ class ServerProcess:
         assert info["num_running"] == 0 and info["num_pending"] == 0, info
         assert info["kv_integrity_ok"], info["kv_integrity_error"]
         assert info["kv_pool"]["in_use"] == 0, info["kv_pool"]
+        assert info["kv_pool"].get("draft_in_use", 0) == 0, info["kv_pool"]
         return info

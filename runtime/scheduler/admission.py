@@ -84,7 +84,7 @@ class Admission:
             remaining = req.seq_len - req.kv_len
             if remaining != 1 or self._ends_with_pending(req):
                 continue
-            if req.pending is not None and len(req.draft) >= OVERLAP_MIN_DRAFT:
+            if req.pending is not None and _draft_len(req) >= OVERLAP_MIN_DRAFT:
                 continue  # its draft follows the token on the device: read that back first
             n = 1
             if req.pending is None and 0 < len(req.draft) <= spare:
@@ -215,6 +215,11 @@ def default_chunk_size(device: torch.device) -> int:
 
 def chunk_size_for_memory(total_bytes: int) -> int:
     return LARGE_CHUNK if total_bytes >= LARGE_CHUNK_MIN_BYTES else SMALL_CHUNK
+
+
+def _draft_len(req: Req) -> int:
+    """The request's draft, or the draft model's once its token is read back (deferred)."""
+    return len(req.draft) + (req.spec.deferred if req.spec is not None else 0)
 
 
 def _decoding(running: list[Req]) -> int:

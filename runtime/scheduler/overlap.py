@@ -98,8 +98,9 @@ def read_tokens(
 ) -> list[Req]:
     """Read the step's tokens back and append them: a drafting request's kept draft tokens
     first, a constrained request's tokens through its grammar; then each live request's next
-    draft. Returns the requests that got a token or finished, by row (not those aborted or
-    retracted since the launch).
+    draft (the grammar's; the caller adds the drafter's, `Speculative.propose`). Returns the
+    requests that got a token or finished, by row (not those aborted or retracted since the
+    launch).
 
     In two passes: first every token that moves a grammar or a thinking phase, then `accepted()`
     (the scheduler starts the next step's mask fill there, on the fill's threads), then the
@@ -136,10 +137,6 @@ def read_tokens(
         else:
             constrained.output.append_token(req, result.token_ids[i], logprob, top)
     got = [flight.reqs[i] for i in rows]
-    if speculative.enabled:
-        for req in got:
-            if not req.finished:
-                speculative.propose(req)
     return got
 
 

@@ -27,6 +27,7 @@ from weft.runtime.scheduler.admission import Admission, default_chunk_size
 from weft.runtime.scheduler.arrivals import Arrivals
 from weft.runtime.scheduler.batch_builder import RowPlan, build_batch
 from weft.runtime.scheduler.constrained import Constrained, MaskJob
+from weft.runtime.scheduler.draft_model import DraftModel, load_draft_model
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 from weft.runtime.scheduler.overlap import (
@@ -75,7 +76,11 @@ def build_scheduler(
         tp = Rank0(config, source, on_rank_exit)
         runner = tp.driver.runner
     end_ids = end_token_ids(tokenizer, runner.model_config, source.folder)
-    return Scheduler(config, runner, tokenizer, end_ids, tp=tp)
+    draft = None
+    if config.speculative_algorithm == "draft":
+        chunk_size = config.chunked_prefill_size or default_chunk_size(runner.device)
+        draft = load_draft_model(config, runner, tokenizer, end_ids, chunk_size=chunk_size)
+    return Scheduler(config, runner, tokenizer, end_ids, tp=tp, draft=draft)
 
 
 class Scheduler:
@@ -87,6 +92,7 @@ class Scheduler:
         end_ids: frozenset[int],
         *,
         tp: Rank0 | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.runner = runner
         self.tp = tp
@@ -102,7 +108,7 @@ class Scheduler:
         )
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
         self.constrained = Constrained(config, runner, self.output)
-        self.speculative = Speculative(config, self.memory, self.output)
+        self.speculative = Speculative(config, self.memory, self.output, draft)
         # the grammar backends, built in the background from now (`wait_for_grammars`)
         self._grammars_built = self.constrained.prepare()
         self.arrivals = Arrivals(config.random_seed, self.constrained, self.memory.cache.enabled)
@@ -182,6 +188,7 @@ class Scheduler:
             next(q for q in queues if req in q).remove(req)
             self.constrained.forget_job(req, self.grammar_wait)
             self.memory.release(req)
+            self.speculative.forget(req)
             self.output.finish(req, FinishReason("abort", message="aborted by request"))
         self._report(hit)
         return bool(hit)
@@ -212,6 +219,8 @@ class Scheduler:
             self._resolve()  # a retracted request must have its tokens on the host
         decision = self.admission.schedule(self.running, self.waiting, in_flight=self._unresolved)
         self.num_retractions += len(decision.retracted)
+        for req in decision.retracted:
+            self.speculative.forget(req)
         if decision.work:
             self._run(decision.work)
         elif self._unresolved:
@@ -372,11 +381,22 @@ class Scheduler:
         got = read_tokens(flight, self.constrained, self.speculative, early)
         self.profile.host("accept_s", start)
         self.profile.mark("accept")
+        if self.speculative.enabled:
+            self._propose([req for req in got if not req.finished], plans or [])
         for req in got:
             if req.finished:
                 self._end([req])
             else:
                 self._report([req])
+
+    def _propose(self, reqs: list[Req], launched: list[RowPlan]) -> None:
+        """The requests' next drafts. The draft model defers those of the step just launched
+        (overlap schedule): it feeds their token without a draft, and may be filling their
+        masks already (`_start_early`: the draft model must leave those matchers alone)."""
+        constrained = any(req.grammar is not None for req in reqs)
+        fill = self.grammars.fill if constrained else None
+        defer = {p.req for p in launched if p.sample_row is not None}
+        self.speculative.propose(reqs, fill=fill, defer=defer)
 
     def _end(self, reqs: list[Req], reason: FinishReason | None = None) -> None:
         """Running requests are done: free their KV and report them."""
@@ -386,6 +406,7 @@ class Scheduler:
             if req in self.running:
                 self.running.remove(req)
                 self.memory.release(req)
+            self.speculative.forget(req)
         self._report(reqs)
 
     def _report(self, reqs: list[Req]) -> None:
@@ -410,6 +431,12 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.memory.check_integrity(self.running)
+        if self.speculative.draft_model is not None:
+            self.speculative.draft_model.check_integrity()
 
     def memory_stats(self) -> dict[str, int]:
-        return self.memory.stats(self.running)
+        """The KV pool's counts (with a draft model, its pool's as draft_*)."""
+        stats = self.memory.stats(self.running)
+        if self.speculative.draft_model is not None:
+            stats |= self.speculative.draft_model.stats()
+        return stats

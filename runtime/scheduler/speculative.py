@@ -1,4 +1,4 @@
-"""Speculative decoding without a second model: drafts verified in one forward of the target.
+"""Speculative decoding: drafts verified in one forward of the target.
 
 A request's draft (`Req.draft`, core.py) is fed behind its last token, and the step samples a
 token after each draft token too, each with its own position's grammar mask (`Constrained`
@@ -18,16 +18,22 @@ argmax p and the output is plain decoding's, token for token. (A seeded request 
 uniform per sampled row, so its seed picks another sample than without speculation.)
 
 Draft sources, in order: the grammar's forced tokens (jump-forward, `Constrained._draft`), then
-what the text repeats: the tokens that followed the latest earlier occurrence of the request's
-last NGRAM_MAX .. NGRAM_MIN tokens in its prompt and output (`NgramIndex`).
+the drafter of speculative_algorithm: ngram, what the text repeats (the tokens that followed the
+latest earlier occurrence of the request's last NGRAM_MAX .. NGRAM_MIN tokens in its prompt and
+output, `NgramIndex`); draft, a small model of the same tokenizer (`draft_model.DraftModel`).
+The draft model drafts greedily (argmax), so its drafts are deterministic too: q is a point mass
+and the proof above holds as it stands. (A sampled draft would need the general rule, p and q
+at every drafted position.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import Req
+from weft.runtime.scheduler.draft_model import DraftModel, Fill
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 
@@ -84,9 +90,13 @@ class NgramIndex:
 class Speculation:
     """A speculating request's drafter state and its counts (meta_info's spec_* keys)."""
 
-    limit: int  # n-gram draft tokens the next draft may have (adapts to what was kept)
+    limit: int  # drafted tokens the next draft may have (adapts to what was kept)
     index: NgramIndex = dataclasses.field(default_factory=NgramIndex)
     forced: int = 0  # leading tokens of the request's draft that its grammar forces
+    proposed: int = 0  # the drafter's tokens after them (before the grammar's cut)
+    # the draft model's tokens once its token is on the host (drafting now is wasted: the step
+    # under way feeds that token without a draft); admission sits the request out for them
+    deferred: int = 0
     misses: int = 0  # drafts rejected whole in a row
     skip: int = 0  # tokens to go before the next draft (after misses)
     verify_ct: int = 0  # forwards that verified a draft of this request
@@ -95,13 +105,20 @@ class Speculation:
 
 
 class Speculative:
-    """The generic side of drafts: which requests speculate, their n-gram drafts, and taking a
-    verified draft (the grammar's side stays in `Constrained`)."""
+    """The generic side of drafts: which requests speculate, their drafts (n-gram, or the draft
+    model's), and taking a verified draft (the grammar's side stays in `Constrained`)."""
 
-    def __init__(self, config: EngineConfig, memory: MemoryManager, output: OutputProcessor):
+    def __init__(
+        self,
+        config: EngineConfig,
+        memory: MemoryManager,
+        output: OutputProcessor,
+        draft_model: DraftModel | None = None,
+    ):
         self.config = config
         self.memory = memory
         self.output = output
+        self.draft_model = draft_model  # with speculative_algorithm draft
         self.verify_ct = 0  # over all requests, for /metrics
         self.draft_tokens = 0
         self.accepted_tokens = 0
@@ -111,7 +128,7 @@ class Speculative:
         return self.config.speculative_algorithm is not None
 
     def speculates(self, req: Req) -> bool:
-        """Whether n-gram drafts extend this request's (where the server speculates): unless it
+        """Whether drafts extend this request's (where the server speculates): unless it
         opted out; not with logprobs asked for (a draft token has none), penalties
         or min_new_tokens still to reach (the draft rows would share the request's penalties and
         token count as they stand before the draft), nor in a thinking phase (its end marker
@@ -126,34 +143,61 @@ class Speculative:
             and (thinking is None or (thinking.ended and not thinking.in_gap))
         )
 
-    def propose(self, req: Req) -> None:
-        """After the request's token: its draft (the grammar's, if any) extended by the
-        n-gram drafter, cut before any end token (the grammar would take it for good)."""
+    def propose(
+        self, reqs: list[Req], *, fill: Fill | None = None, defer: Collection[Req] = ()
+    ) -> None:
+        """After the requests' tokens: each one's draft (the grammar's, if any) extended by the
+        drafter, cut before any end token (the grammar would take it for good). The draft
+        model drafts for all at once, under each request's grammar (`fill` writes the masks),
+        but not for those in `defer`: a step that feeds them without a draft is under way
+        (overlap schedule); `Speculation.deferred` says what they would have drafted."""
+        wants = [(req, limit) for req in reqs if (limit := self._limit(req)) > 0]
+        if self.config.speculative_algorithm == "draft":
+            assert self.draft_model is not None, "speculative_algorithm draft: no draft model"
+            for req, limit in wants:
+                req.spec.deferred = limit if req in defer else 0
+            wants = [(req, limit) for req, limit in wants if req not in defer]
+            drafts = self.draft_model.propose(wants, fill=fill)
+        else:
+            drafts = [self._ngram(req, limit) for req, limit in wants]
+        ends = self.output.end_ids
+        for (req, _), draft in zip(wants, drafts, strict=True):
+            stops = req.params.stop_token_ids
+            for i, tid in enumerate(draft):
+                if tid in ends or tid in stops:
+                    del draft[i:]
+                    break
+            req.spec.proposed = len(draft)
+            req.draft = req.draft + draft
+
+    def _limit(self, req: Req) -> int:
+        """How many tokens the drafter may add to the request's draft now (0: none)."""
         if req.grammar is None:
             req.draft = []
         if not self.speculates(req):
-            return
+            return 0
         spec = req.spec
         if spec is None:
             spec = req.spec = Speculation(limit=self.config.speculative_num_draft_tokens)
         spec.forced = len(req.draft)
+        spec.proposed = spec.deferred = 0
         if spec.skip > 0:
             spec.skip -= 1
-            return
+            return 0
         room = min(req.remaining_new_tokens, self.output.max_seq_len - req.seq_len) - 1
         limit = min(room, self.config.speculative_num_draft_tokens) - len(req.draft)
-        limit = min(limit, spec.limit)
-        if limit <= 0:
-            return
+        return min(limit, spec.limit)
+
+    @staticmethod
+    def _ngram(req: Req, limit: int) -> list[int]:
+        spec = req.spec
         spec.index.update(req)
-        draft = spec.index.propose(req, req.draft, limit)
-        ends = self.output.end_ids
-        stops = req.params.stop_token_ids
-        for i, tid in enumerate(draft):
-            if tid in ends or tid in stops:
-                del draft[i:]
-                break
-        req.draft = req.draft + draft
+        return spec.index.propose(req, req.draft, limit)
+
+    def forget(self, req: Req) -> None:
+        """The request is done, aborted or retracted: the draft model frees its KV of it."""
+        if self.draft_model is not None:
+            self.draft_model.forget(req)
 
     def take_draft(self, req: Req, draft: list[int], ids: list[int]) -> int:
         """How many draft tokens the model picked itself (ids[j] was sampled after draft[:j]);
@@ -164,18 +208,30 @@ class Speculative:
             taken += 1
         self.memory.truncate(req, req.seq_len + taken)  # (its token is read: none pending)
         spec = req.spec
-        if spec is not None and len(draft) > spec.forced:
-            self._count(spec, len(draft) - spec.forced, max(taken - spec.forced, 0))
+        if spec is None:
+            return taken
+        drafted, kept = len(draft) - spec.forced, max(taken - spec.forced, 0)
+        if drafted > 0:
+            self._count(spec, drafted, kept)
+        # NOTE: the draft model's tokens the grammar cut count as rejected: each costs a forward
+        # of the draft model (n-gram drafts cost nothing until verified)
+        if self.config.speculative_algorithm == "draft" and spec.proposed > 0:
+            self._adapt(spec, spec.proposed, kept)
+        elif drafted > 0:
+            self._adapt(spec, drafted, kept)
         return taken
 
     def _count(self, spec: Speculation, drafted: int, kept: int) -> None:
-        """A verified n-gram draft: the counts, and how the request drafts next."""
+        """A verified draft's counts (meta_info, /metrics)."""
         spec.verify_ct += 1
         spec.draft_tokens += drafted
         spec.accepted_tokens += kept
         self.verify_ct += 1
         self.draft_tokens += drafted
         self.accepted_tokens += kept
+
+    def _adapt(self, spec: Speculation, drafted: int, kept: int) -> None:
+        """How the request drafts next, after `kept` of the `drafted` tokens were kept."""
         if kept == drafted:
             spec.limit = min(2 * spec.limit, self.config.speculative_num_draft_tokens)
         else:
