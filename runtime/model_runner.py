@@ -203,7 +203,9 @@ class ModelRunner:
             cfg.head_dim,
             self.kv_dtype,
             self.device,
-            kv_scales,
+            # NOTE: a pool in the compute dtype ignores the checkpoint's scales: the Triton
+            # kernels apply a pool's scales whatever its dtype
+            kv_scales if self.kv_dtype == FP8_KV_DTYPE else None,
         )
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 8, max_ctx, self.device)
         self.attention = self._attention_backend()

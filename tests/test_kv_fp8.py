@@ -77,13 +77,17 @@ def test_stories_greedy_until_a_near_tie(stories_both):
 
 
 def test_pool_size_from_memory_doubles(stories_dir):
-    """Without max_total_tokens the pool is sized from memory: e4m3 fits 4x the float32 tokens
-    (2x the bfloat16 ones)."""
+    """Without max_total_tokens the pool is sized from memory (cpu_kv_cache_gb on a CPU): e4m3
+    fits 4x the float32 tokens (2x the bfloat16 ones)."""
     sizes = {}
     for kv in ("auto", "fp8_e4m3"):
         # 2.56 MB: 2,000 tokens of 1,280 bytes (float32), inside the 1,024 .. 4 x context bounds
         engine = make_engine(
-            stories_dir, kv_cache_dtype=kv, cpu_kv_cache_gb=0.00256, context_length=4096
+            stories_dir,
+            device="cpu",  # (a GPU sizes its pool from free memory: test_cuda_fp8_pool)
+            kv_cache_dtype=kv,
+            cpu_kv_cache_gb=0.00256,
+            context_length=4096,
         )
         sizes[kv] = engine.runner.kv_pool.size
         engine.shutdown()
@@ -112,11 +116,16 @@ def test_checkpoint_scales(stories_dir, stories_both, tmp_path):
         pool = engine.runner.kv_pool
         got, *_ = _run(engine)
         engine.shutdown()
-        assert (pool.scales.k, pool.scales.v) == ([0.5] * layers, [0.25] * layers)
-        assert pool.scales.from_checkpoint == 2 * layers
         if kv == "auto":
+            assert (pool.scales.k, pool.scales.v, pool.scales.from_checkpoint) == (
+                [1.0] * layers,
+                [1.0] * layers,
+                0,
+            )
             assert got == ids
         else:
+            assert (pool.scales.k, pool.scales.v) == ([0.5] * layers, [0.25] * layers)
+            assert pool.scales.from_checkpoint == 2 * layers
             _assert_same_until_near_tie(ids, top2, got, min_same=16)
 
 

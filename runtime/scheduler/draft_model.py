@@ -303,18 +303,25 @@ class DraftModel:
         }
 
 
-def load_draft_model(
+@dataclasses.dataclass(frozen=True)
+class DraftPlan:
+    """A draft model checked against the target before either loads (`check_draft_model`)."""
+
+    config: EngineConfig  # the draft's own (its path; no speculation, no CUDA graphs)
+    source: ModelSource
+    model: ModelConfig
+    num_tokens: int  # the token ids it may propose
+
+
+def check_draft_model(
     config: EngineConfig,
-    target: ModelRunner,
+    target: ModelConfig,
     tokenizer: PreTrainedTokenizerBase | None,
     end_ids: frozenset[int],
-    *,
-    chunk_size: int,
-) -> DraftModel:
-    """The draft model of speculative_draft_model_path, loaded as the target was (same loaders,
-    dummy weights where the target has them), on its device and dtype, with a KV pool of as
-    many tokens as the target's; refused (ValueError naming the field) unless its vocabulary and
-    end tokens are the target's."""
+) -> DraftPlan:
+    """The draft model of speculative_draft_model_path, refused (ValueError naming the field)
+    unless its vocabulary and end tokens are the target's: before the target's weights load, so
+    that a refusal costs no load (nor, on a GPU, a CUDA-graph capture)."""
     path = config.speculative_draft_model_path
     assert path is not None
     if not Path(path).expanduser().exists():
@@ -323,22 +330,38 @@ def load_draft_model(
         model_path=path,
         tokenizer_path=None,
         load_format="dummy" if config.load_format == "dummy" else "auto",
-        dtype=str(target.dtype).removeprefix("torch."),
-        device=str(target.device),
-        context_length=target.context_length,
         disable_cuda_graph=True,
         speculative_algorithm=None,
         speculative_draft_model_path=None,
     )
     source = resolve_source(draft_config)
     model = ModelConfig.from_folder(source.folder)
-    num_tokens = _check_vocabulary(path, source, model, target.model_config, tokenizer, end_ids)
-    pool = _pool_tokens(config, model, target)
-    runner = ModelRunner(draft_config.replace(max_total_tokens=pool), source)
+    num_tokens = _check_vocabulary(path, source, model, target, tokenizer, end_ids)
+    return DraftPlan(draft_config, source, model, num_tokens)
+
+
+def load_draft_model(
+    config: EngineConfig,
+    plan: DraftPlan,
+    target: ModelRunner,
+    end_ids: frozenset[int],
+    *,
+    chunk_size: int,
+) -> DraftModel:
+    """The checked draft model, loaded as the target was (same loaders, dummy weights where the
+    target has them), on its device and dtype, with a KV pool of as many tokens as the
+    target's."""
+    draft_config = plan.config.replace(
+        dtype=str(target.dtype).removeprefix("torch."),
+        device=str(target.device),
+        context_length=target.context_length,
+    )
+    pool = _pool_tokens(config, plan.model, target)
+    runner = ModelRunner(draft_config.replace(max_total_tokens=pool), plan.source)
     return DraftModel(
         runner,
         chunk_size=chunk_size,
-        num_tokens=num_tokens,
+        num_tokens=plan.num_tokens,
         mask_vocab=target.model_config.vocab_size,
         end_ids=end_ids,
     )

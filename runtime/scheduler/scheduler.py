@@ -27,7 +27,7 @@ from weft.runtime.scheduler.admission import Admission, default_chunk_size
 from weft.runtime.scheduler.arrivals import Arrivals
 from weft.runtime.scheduler.batch_builder import RowPlan, build_batch
 from weft.runtime.scheduler.constrained import Constrained, MaskJob
-from weft.runtime.scheduler.draft_model import DraftModel, load_draft_model
+from weft.runtime.scheduler.draft_model import DraftModel, check_draft_model, load_draft_model
 from weft.runtime.scheduler.memory import MemoryManager
 from weft.runtime.scheduler.output_processor import OutputProcessor
 from weft.runtime.scheduler.overlap import (
@@ -68,6 +68,10 @@ def build_scheduler(
     `on_rank_exit(why)` is called from a thread when one exits before that)."""
     model = ModelConfig.from_folder(source.folder)  # a bad config.json fails before any load
     tokenizer = load_tokenizer(source.tokenizer_folder) if source.tokenizer_folder else None
+    end_ids = end_token_ids(tokenizer, model, source.folder)
+    plan = None
+    if config.speculative_algorithm == "draft":  # refused before any load
+        plan = check_draft_model(config, model, tokenizer, end_ids)
     tp = None
     if config.tp_size == 1:
         runner = ModelRunner(config, source)
@@ -75,11 +79,10 @@ def build_scheduler(
         check_tp(config, model)
         tp = Rank0(config, source, on_rank_exit)
         runner = tp.driver.runner
-    end_ids = end_token_ids(tokenizer, runner.model_config, source.folder)
     draft = None
-    if config.speculative_algorithm == "draft":
+    if plan is not None:
         chunk_size = config.chunked_prefill_size or default_chunk_size(runner.device)
-        draft = load_draft_model(config, runner, tokenizer, end_ids, chunk_size=chunk_size)
+        draft = load_draft_model(config, plan, runner, end_ids, chunk_size=chunk_size)
     return Scheduler(config, runner, tokenizer, end_ids, tp=tp, draft=draft)
 
 
