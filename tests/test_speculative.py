@@ -216,17 +216,8 @@ def test_sampling_keeps_the_distribution_at_drafted_positions(stories):
     proposes the rest of the sentence, so the second token decides a draft token's fate and the
     third is sampled at a drafted position when it is kept. Given the most likely first token
     t0, the pairs (t1, t2) must follow the model's p(t1 | t0) p(t2 | t0, t1), computed here."""
-    text = "Once upon a time, there was a little girl. Once upon a time, there was a"
-    prompt = stories.tokenizer.encode(text)
-    t0 = int(_next_token_probs(stories, [prompt])[0].argmax())
-    p1 = _next_token_probs(stories, [prompt + [t0]])[0]
-    seconds = [t for t in torch.argsort(p1, descending=True).tolist() if p1[t] > 1e-3]
-    p2 = _next_token_probs(stories, [prompt + [t0, t] for t in seconds])
-    exact = {
-        (t1, t2): float(p1[t1] * p2[i, t2])
-        for i, t1 in enumerate(seconds)
-        for t2 in range(p2.shape[1])
-    }
+    prompt = stories.tokenizer.encode(REPEATING)
+    t0, exact = pair_distribution(stories, prompt)
     samples = 1200
     params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}
     with speculating(stories):
@@ -235,14 +226,7 @@ def test_sampling_keeps_the_distribution_at_drafted_positions(stories):
     assert len(drafted) >= samples // 3  # t0 = 'little': p = 0.53
     assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in drafted) >= len(drafted) // 2
     assert _accepted(drafted) >= len(drafted) // 4  # many t2 come from a draft's row
-    seen = Counter(tuple(o["output_ids"][1:3]) for o in drafted)
-    n = len(drafted)
-    common = [pair for pair, p in exact.items() if p * n >= 5]
-    observed = [seen[pair] for pair in common]
-    wanted = [exact[pair] * n for pair in common]
-    observed.append(n - sum(observed))
-    wanted.append(n - sum(wanted))
-    assert _chi_square_pvalue(observed, wanted) > 1e-3, (common, observed, wanted)
+    assert_pairs_follow(drafted, exact)
 
 
 def _chi_square_pvalue(observed: list[int], expected: list[float]) -> float:
@@ -252,6 +236,38 @@ def _chi_square_pvalue(observed: list[int], expected: list[float]) -> float:
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
     df = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
     return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+# a prompt that repeats itself: drafts follow its first tokens (the chi-square tests)
+REPEATING = "Once upon a time, there was a little girl. Once upon a time, there was a"
+
+
+def pair_distribution(engine, prompt: list[int]) -> tuple[int, dict[tuple[int, int], float]]:
+    """The most likely first token t0 after the prompt, and p(t1 | t0) p(t2 | t0, t1) of each
+    pair of the next two tokens (t1 from those above 1e-3), from the model's own logprobs."""
+    t0 = int(_next_token_probs(engine, [prompt])[0].argmax())
+    p1 = _next_token_probs(engine, [prompt + [t0]])[0]
+    seconds = [t for t in torch.argsort(p1, descending=True).tolist() if p1[t] > 1e-3]
+    p2 = _next_token_probs(engine, [prompt + [t0, t] for t in seconds])
+    exact = {
+        (t1, t2): float(p1[t1] * p2[i, t2])
+        for i, t1 in enumerate(seconds)
+        for t2 in range(p2.shape[1])
+    }
+    return t0, exact
+
+
+def assert_pairs_follow(outs: list[dict], exact: dict[tuple[int, int], float]) -> None:
+    """The outputs' second and third tokens follow `exact` (Pearson's chi-square over the pairs
+    expected 5+ times, the rest pooled)."""
+    seen = Counter(tuple(o["output_ids"][1:3]) for o in outs)
+    n = len(outs)
+    common = [pair for pair, p in exact.items() if p * n >= 5]
+    observed = [seen[pair] for pair in common]
+    wanted = [exact[pair] * n for pair in common]
+    observed.append(n - sum(observed))
+    wanted.append(n - sum(wanted))
+    assert _chi_square_pvalue(observed, wanted) > 1e-3, (common, observed, wanted)
 
 
 def _next_token_probs(engine, prompts: list[list[int]]) -> torch.Tensor:

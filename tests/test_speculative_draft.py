@@ -10,7 +10,6 @@ import contextlib
 import json
 import re
 import shutil
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,12 +19,13 @@ from safetensors.torch import load_file, save_file
 from test_speculative import (
     GREEDY,
     REGEX,
+    REPEATING,
     SPEC_KEYS,
     STORIES,
     _accepted,
-    _chi_square_pvalue,
-    _next_token_probs,
     _req,
+    assert_pairs_follow,
+    pair_distribution,
 )
 
 from weft import Engine
@@ -235,18 +235,9 @@ def test_sampling_keeps_the_distribution_with_a_draft_model(itself):
     """As test_speculative's n-gram test: given the most likely first token t0, the pairs
     (t1, t2) at temperature 1 must follow p(t1 | t0) p(t2 | t0, t1); the model drafting for
     itself proposes t0's greedy continuation, so t2 is sampled at a drafted row when t1 is kept."""
-    text = "Once upon a time, there was a little girl. Once upon a time, there was a"
-    prompt = itself.tokenizer.encode(text)
+    prompt = itself.tokenizer.encode(REPEATING)
     with not_speculating(itself):
-        t0 = int(_next_token_probs(itself, [prompt])[0].argmax())
-        p1 = _next_token_probs(itself, [prompt + [t0]])[0]
-        seconds = [t for t in torch.argsort(p1, descending=True).tolist() if p1[t] > 1e-3]
-        p2 = _next_token_probs(itself, [prompt + [t0, t] for t in seconds])
-    exact = {
-        (t1, t2): float(p1[t1] * p2[i, t2])
-        for i, t1 in enumerate(seconds)
-        for t2 in range(p2.shape[1])
-    }
+        t0, exact = pair_distribution(itself, prompt)
     samples = 1200
     params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}
     outs = itself.generate(input_ids=[prompt] * samples, sampling_params=params)
@@ -254,14 +245,7 @@ def test_sampling_keeps_the_distribution_with_a_draft_model(itself):
     assert len(drafted) >= samples // 3
     assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in drafted) >= len(drafted) // 2
     assert _accepted(drafted) >= len(drafted) // 4  # many t2 come from a draft's row
-    seen = Counter(tuple(o["output_ids"][1:3]) for o in drafted)
-    n = len(drafted)
-    common = [pair for pair, p in exact.items() if p * n >= 5]
-    observed = [seen[pair] for pair in common]
-    wanted = [exact[pair] * n for pair in common]
-    observed.append(n - sum(observed))
-    wanted.append(n - sum(wanted))
-    assert _chi_square_pvalue(observed, wanted) > 1e-3, (common, observed, wanted)
+    assert_pairs_follow(drafted, exact)
 
 
 def test_the_draft_model_drafts_less_after_the_grammar_cuts_its_drafts():

@@ -7,6 +7,8 @@ import zlib
 
 import torch
 
+from weft.runtime.kv_pool import FP8_KV_DTYPE, quantize_kv
+
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # where the tiny-shape tests run: the CPU under the interpreter, else the GPU
@@ -116,3 +118,12 @@ def assert_rounding_close(
     assert worst <= ulps, f"{worst} ulps apart (allowed {ulps})"
     differ = (got != ref).float().mean().item()
     assert truncating or differ < 0.05, f"{differ:.1%} of the elements differ"
+
+
+def fp8_pool(args: dict, k_scale: float, v_scale: float) -> dict:
+    """An attention case with an FP8 pool: its buffers hold K / k_scale and V / v_scale in e4m3."""
+    return {
+        **args,
+        "k_buffer": quantize_kv(args["k_buffer"], k_scale, FP8_KV_DTYPE),
+        "v_buffer": quantize_kv(args["v_buffer"], v_scale, FP8_KV_DTYPE),
+    }

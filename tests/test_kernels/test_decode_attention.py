@@ -10,11 +10,11 @@ import torch
 
 from weft.kernels import decode_attention as mod
 from weft.kernels.decode_attention import decode_attention, decode_attention_ref
-from weft.runtime.kv_pool import FP8_KV_DTYPE, quantize_kv
 
 from .kernel_utils import (
     REL_TOL,
     SMALL_DEVICE,
+    fp8_pool,
     generator,
     poison_before,
     poison_unused,
@@ -100,22 +100,13 @@ def test_decode_dtypes_and_pages(request, dtype, page_size):
     _check(args, dtype, num_kv_splits=3, block_n=16)
 
 
-def _fp8(args: dict, k_scale: float, v_scale: float) -> dict:
-    """The case with an FP8 pool: its buffers hold K / k_scale and V / v_scale in e4m3."""
-    return {
-        **args,
-        "k_buffer": quantize_kv(args["k_buffer"], k_scale, FP8_KV_DTYPE),
-        "v_buffer": quantize_kv(args["v_buffer"], v_scale, FP8_KV_DTYPE),
-    }
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_fp8_pool(request, dtype, page_size):
     """An FP8 pool: the kernel widens each tile and applies the layer's scales (against the
     reference on the same e4m3 values)."""
     args = _case(request.node.nodeid, SMALL_DEVICE, dtype, [1, 37, 20], 4, 2, 32, page_size)
-    _check(_fp8(args, 0.25, 3.0), dtype, num_kv_splits=3, block_n=16, k_scale=0.25, v_scale=3.0)
+    _check(fp8_pool(args, 0.25, 3.0), dtype, num_kv_splits=3, block_n=16, k_scale=0.25, v_scale=3.0)
 
 
 @pytest.mark.parametrize(

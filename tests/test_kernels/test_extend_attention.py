@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from weft.kernels.extend_attention import extend_attention, extend_attention_ref
-from weft.runtime.kv_pool import FP8_KV_DTYPE, quantize_kv
 
 from .kernel_utils import (
     REL_TOL,
     SMALL_DEVICE,
+    fp8_pool,
     generator,
     poison_before,
     poison_unused,
@@ -110,22 +110,19 @@ def test_extend_dtypes_and_pages(request, dtype, page_size):
     _check(args, dtype, max(ext), block_m=16, block_n=16)
 
 
-def _fp8(args: dict, k_scale: float, v_scale: float) -> dict:
-    """The case with an FP8 pool: its buffers hold K / k_scale and V / v_scale in e4m3."""
-    return {
-        **args,
-        "k_buffer": quantize_kv(args["k_buffer"], k_scale, FP8_KV_DTYPE),
-        "v_buffer": quantize_kv(args["v_buffer"], v_scale, FP8_KV_DTYPE),
-    }
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_fp8_pool(request, dtype):
     """An FP8 pool: the kernel widens each tile and applies the layer's scales."""
     prefix, ext = [0, 13, 21], [7, 20, 1]
     args = _case(request.node.nodeid, SMALL_DEVICE, dtype, prefix, ext, 4, 2, 32, 1)
     _check(
-        _fp8(args, 0.25, 3.0), dtype, max(ext), block_m=16, block_n=16, k_scale=0.25, v_scale=3.0
+        fp8_pool(args, 0.25, 3.0),
+        dtype,
+        max(ext),
+        block_m=16,
+        block_n=16,
+        k_scale=0.25,
+        v_scale=3.0,
     )
 
 
