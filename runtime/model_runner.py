@@ -230,7 +230,7 @@ class ModelRunner:
         capture did not build (the extend kernel is compiled on its first launch: seconds); on a
         CPU little (the default model: 0.13 s, the next prefill 0.09 s). Its KV slots and row go
         back to the pools."""
-        tokens = min(WARM_UP_TOKENS, self.context_length)
+        tokens = min(WARM_UP_TOKENS, self.context_length, self.kv_pool.size)
         row = self.req_to_token.allocate()
         slots = self.kv_pool.allocate(tokens)
         self.req_to_token.write(row, 0, slots)

@@ -37,6 +37,15 @@ def test_tiny_pool_retracts_and_still_matches(stories_dir, big, radix):
     tiny.shutdown()
 
 
+def test_a_pool_of_a_few_tokens_starts_and_serves_what_fits(stories_dir):
+    """The start's warm-up (a scratch prefill and decode) takes no more slots than the pool
+    has; a request of 3 tokens and 2 new ones fits 5."""
+    engine = make_engine(stories_dir, max_total_tokens=5)
+    out = engine.generate(input_ids=[1, 5, 9], sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
+    engine.shutdown()
+
+
 def test_max_running_requests_is_respected(stories_dir):
     engine = make_engine(stories_dir, max_total_tokens=4096, max_running_requests=2)
     outs = engine.generate(input_ids=_prompts(6, seed=1), sampling_params=GREEDY)

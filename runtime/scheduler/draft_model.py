@@ -38,7 +38,7 @@ from weft.runtime.core import ForwardBatch, Req
 from weft.runtime.loaders.end_tokens import end_token_ids
 from weft.runtime.loaders.source import ModelSource, resolve_source
 from weft.runtime.model_config import ModelConfig
-from weft.runtime.model_runner import ModelRunner
+from weft.runtime.model_runner import ModelRunner, resolve_device, resolve_dtype
 from weft.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("weft")
@@ -326,10 +326,16 @@ def check_draft_model(
     assert path is not None
     if not Path(path).expanduser().exists():
         raise FileNotFoundError(f"speculative_draft_model_path {path!r} does not exist")
+    # the target's device and dtype as its runner will resolve them: a GGUF draft converts for
+    # them (into bf16 where the target computes in float32, its quantized form would refuse)
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, target, device)
     draft_config = config.replace(
         model_path=path,
         tokenizer_path=None,
         load_format="dummy" if config.load_format == "dummy" else "auto",
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
         disable_cuda_graph=True,
         speculative_algorithm=None,
         speculative_draft_model_path=None,
