@@ -12,7 +12,6 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-KV_FP8_DTYPE = torch.float8_e4m3fn  # an FP8 KV pool's buffers (runtime/kv_pool.py)
 
 
 def check(cond: bool, message: str, *args: object) -> None:

@@ -29,7 +29,6 @@ from weft.kernels._attn import LOG2E, attention_options, dot, load_slots, softca
 from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    KV_FP8_DTYPE,
     check,
     check_out,
     check_shape,
@@ -37,6 +36,7 @@ from weft.kernels._checks import (
     dot_mode,
     next_pow2,
 )
+from weft.runtime.models.fp8 import FP8_DTYPE
 
 
 @triton.jit
@@ -187,7 +187,7 @@ def extend_attention(
     """
     dev = q.device
     check_tensor("q", q, 3, FLOAT_DTYPES, dev)
-    check_tensor("k_buffer", k_buffer, 3, (q.dtype, KV_FP8_DTYPE), dev)
+    check_tensor("k_buffer", k_buffer, 3, (q.dtype, FP8_DTYPE), dev)
     check_tensor("v_buffer", v_buffer, 3, (k_buffer.dtype,), dev)
     check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, dev)
     check_tensor("req_pool_indices", req_pool_indices, 1, INDEX_DTYPES, dev)

@@ -14,12 +14,14 @@ import triton.language as tl
 from weft.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    KV_FP8_DTYPE,
     check_shape,
     check_tensor,
     next_pow2,
 )
 from weft.runtime.kv_pool import quantize_kv
+from weft.runtime.models.fp8 import FP8_DTYPE, FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)  # stored values saturate there
 
 
 @triton.jit
@@ -54,13 +56,13 @@ def _kv_store_kernel(
     dst = offs_h[:, None] * stride_kbh + offs_d[None, :]
     k_tile = tl.load(k + t * stride_kt + src, mask=mask)
     if FP8:
-        k_tile = tl.clamp(k_tile.to(tl.float32) * inv_k_scale, -448.0, 448.0)
+        k_tile = tl.clamp(k_tile.to(tl.float32) * inv_k_scale, -_FP8_MAX, _FP8_MAX)
     tl.store(k_buf + slot * stride_kbs + dst, k_tile.to(k_buf.dtype.element_ty), mask=mask)
     src = offs_h[:, None] * stride_vh + offs_d[None, :]
     dst = offs_h[:, None] * stride_vbh + offs_d[None, :]
     v_tile = tl.load(v + t * stride_vt + src, mask=mask)
     if FP8:
-        v_tile = tl.clamp(v_tile.to(tl.float32) * inv_v_scale, -448.0, 448.0)
+        v_tile = tl.clamp(v_tile.to(tl.float32) * inv_v_scale, -_FP8_MAX, _FP8_MAX)
     tl.store(v_buf + slot * stride_vbs + dst, v_tile.to(v_buf.dtype.element_ty), mask=mask)
 
 
@@ -83,7 +85,7 @@ def kv_store(
     dev = k.device
     check_tensor("k", k, 3, FLOAT_DTYPES, dev)
     check_tensor("v", v, 3, (k.dtype,), dev)
-    check_tensor("k_buffer", k_buffer, 3, (k.dtype, KV_FP8_DTYPE), dev)
+    check_tensor("k_buffer", k_buffer, 3, (k.dtype, FP8_DTYPE), dev)
     check_tensor("v_buffer", v_buffer, 3, (k_buffer.dtype,), dev)
     check_tensor("out_cache_loc", out_cache_loc, 1, INDEX_DTYPES, dev)
     num_tokens, num_heads, head_dim = k.shape
@@ -113,7 +115,7 @@ def kv_store(
         HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(num_heads),
         BLOCK_D=next_pow2(head_dim),
-        FP8=k_buffer.dtype == KV_FP8_DTYPE,
+        FP8=k_buffer.dtype == FP8_DTYPE,
         num_warps=4 if num_heads * head_dim >= 1024 else 1,
     )
 

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3fn's largest finite value: stored values saturate there
+from weft.runtime.models.fp8 import FP8_DTYPE, FP8_MAX
+
 # a layer's KV scale tensors as checkpoints name them (vLLM / SGLang / ModelOpt / compressed
 # tensors): model.layers.N.self_attn[.k_proj|.v_proj].{k_scale|v_scale|kv_scale}
 _KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k_scale|v_scale|kv_scale)$")
@@ -68,7 +68,7 @@ class KVScales:
 def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """x / scale in the pool's dtype; into an FP8 pool saturated to its range (a cast of a larger
     value is not saturating on every device)."""
-    if dtype != FP8_KV_DTYPE:
+    if dtype != FP8_DTYPE:
         return x
     scaled = x.float() if scale == 1.0 else x.float() / scale
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(dtype)
@@ -94,8 +94,10 @@ class KVPool:
         scales: KVScales | None = None,
     ) -> None:
         self.size = size  # usable slots (excluding the reserved slots 0 and size + 1)
-        self.dtype = dtype  # the storage dtype: the compute dtype or FP8_KV_DTYPE
-        self.scales = scales or KVScales(num_layers)
+        self.dtype = dtype  # the storage dtype: the compute dtype or FP8_DTYPE
+        # NOTE: a pool in the compute dtype keeps no checkpoint scales: the Triton kernels apply
+        # a pool's scales whatever its dtype
+        self.scales = scales if scales is not None and self.quantized else KVScales(num_layers)
         self.device = device
         self.scratch_slot = size + 1
         shape = (size + 2, num_kv_heads, head_dim)
@@ -110,7 +112,7 @@ class KVPool:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype == FP8_KV_DTYPE
+        return self.dtype == FP8_DTYPE
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Slots `loc` of a layer get the new tokens' K and V (the torch path; the Triton

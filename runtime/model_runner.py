@@ -12,14 +12,14 @@ from weft.runtime.config import EngineConfig
 from weft.runtime.core import ForwardBatch
 from weft.runtime.cuda_graph import CudaGraphRunner
 from weft.runtime.hardware import cpu_bf16_flags
-from weft.runtime.kv_pool import FP8_KV_DTYPE, KVPool, KVScales, ReqToTokenPool
+from weft.runtime.kv_pool import KVPool, KVScales, ReqToTokenPool
 from weft.runtime.loaders.fp8_plan import apply_fp8, fp8_text, resolve_fp8
 from weft.runtime.loaders.source import ModelSource
 from weft.runtime.loaders.weights import init_dummy, iter_safetensors, safetensors_files
 from weft.runtime.model_config import ModelConfig
 from weft.runtime.models import cpu_gemm
 from weft.runtime.models.cpu_gemm import F32_MIN_ROWS, widen_bf16_gemm
-from weft.runtime.models.fp8 import FP8Weight
+from weft.runtime.models.fp8 import FP8_DTYPE, FP8Weight
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
 from weft.runtime.models.registry import model_class
 from weft.runtime.parallel import SINGLE, TPGroup
@@ -56,7 +56,7 @@ def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.dev
             f"kv_cache_dtype {config.kv_cache_dtype}: the Triton kernels read e4m3 on CUDA "
             f"compute capability 8.9 or later (Ada, Hopper); this GPU is {major}.{minor}"
         )
-    return FP8_KV_DTYPE
+    return FP8_DTYPE
 
 
 def _activation_text(dtype: torch.dtype, device: torch.device) -> str:
@@ -203,9 +203,7 @@ class ModelRunner:
             cfg.head_dim,
             self.kv_dtype,
             self.device,
-            # NOTE: a pool in the compute dtype ignores the checkpoint's scales: the Triton
-            # kernels apply a pool's scales whatever its dtype
-            kv_scales if self.kv_dtype == FP8_KV_DTYPE else None,
+            kv_scales,
         )
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 8, max_ctx, self.device)
         self.attention = self._attention_backend()
@@ -221,7 +219,7 @@ class ModelRunner:
             _weights_text(quantized, self.dtype, config.quantized_prefill, fp8),
             self.kv_pool.size,
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
-            f", fp8_e4m3, {kv_scales.describe()}" if self.kv_pool.quantized else "",
+            f", fp8_e4m3, {self.kv_pool.scales.describe()}" if self.kv_pool.quantized else "",
         )
 
     def _warm_up(self) -> None:
@@ -235,32 +233,35 @@ class ModelRunner:
         slots = self.kv_pool.allocate(tokens)
         self.req_to_token.write(row, 0, slots)
         try:
-            for start, n in ((0, tokens - 1), (tokens - 1, 1)):
-                if n == 0:
-                    continue
-
-                def column(values: list[int]) -> torch.Tensor:
-                    return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-                batch = ForwardBatch(
-                    input_ids=column([0] * n),
-                    positions=column(list(range(start, start + n))),
-                    out_cache_loc=slots[start : start + n].to(self.device),
-                    req_pool_indices=column([row]),
-                    seq_lens=column([start + n]),
-                    prefix_lens=column([start]),
-                    extend_lens=column([n]),
-                    logits_indices=column([n - 1]),
-                    seq_lens_cpu=[start + n],
-                    prefix_lens_cpu=[start],
-                    extend_lens_cpu=[n],
-                )
-                self.logits(self.forward(batch))
+            if tokens > 1:
+                self._scratch_step(row, slots, 0, tokens - 1)  # the prefill
+            self._scratch_step(row, slots, tokens - 1, 1)  # a decode step
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:
             self.kv_pool.free(slots)
             self.req_to_token.free(row)
+
+    def _scratch_step(self, row: int, slots: torch.Tensor, start: int, n: int) -> None:
+        """A forward and logits of n tokens at positions start.. of `row` (slots: the row's)."""
+
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        batch = ForwardBatch(
+            input_ids=column([0] * n),
+            positions=column(list(range(start, start + n))),
+            out_cache_loc=slots[start : start + n].to(self.device),
+            req_pool_indices=column([row]),
+            seq_lens=column([start + n]),
+            prefix_lens=column([start]),
+            extend_lens=column([n]),
+            logits_indices=column([n - 1]),
+            seq_lens_cpu=[start + n],
+            prefix_lens_cpu=[start],
+            extend_lens_cpu=[n],
+        )
+        self.logits(self.forward(batch))
 
     def _attention_backend(self) -> AttentionBackend:
         if resolve_attention_backend(self.config.attention_backend, self.device) == "triton":

@@ -14,8 +14,10 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_quantized import TEXT  # the code text test_quantized scores too
 
-from weft.runtime.kv_pool import FP8_KV_DTYPE, KVScales
+from weft.runtime.kv_pool import KVScales
+from weft.runtime.models.fp8 import FP8_DTYPE
 
 from conftest import make_engine, require_default_model
 
@@ -61,7 +63,7 @@ def stories_both(stories_dir):
 def test_pool_stores_one_byte_a_value(stories_both):
     dtype, per_token, *_ = stories_both["auto"]
     fp8_dtype, fp8_per_token, *_ = stories_both["fp8_e4m3"]
-    assert (dtype, fp8_dtype) == (torch.float32, FP8_KV_DTYPE)
+    assert (dtype, fp8_dtype) == (torch.float32, FP8_DTYPE)
     assert per_token == 4 * fp8_per_token  # stories260K computes in float32
 
 
@@ -162,14 +164,6 @@ def test_refused_value_names_the_field():
 
 
 # -- the default model (real weights): what FP8 KV costs --------------------------------------
-
-TEXT = (
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
-    "fibonacci(n - 2)\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n"
-    "    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n"
-    "        return self.items.pop()\n\n\nThe quick brown fox jumps over the lazy dog. A stack "
-    "is a last-in, first-out collection: push adds an item on top, pop removes the top one.\n"
-)
 
 
 def test_default_model_perplexity():

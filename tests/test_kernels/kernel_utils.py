@@ -7,7 +7,8 @@ import zlib
 
 import torch
 
-from weft.runtime.kv_pool import FP8_KV_DTYPE, quantize_kv
+from weft.runtime.kv_pool import quantize_kv
+from weft.runtime.models.fp8 import FP8_DTYPE
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -124,6 +125,6 @@ def fp8_pool(args: dict, k_scale: float, v_scale: float) -> dict:
     """An attention case with an FP8 pool: its buffers hold K / k_scale and V / v_scale in e4m3."""
     return {
         **args,
-        "k_buffer": quantize_kv(args["k_buffer"], k_scale, FP8_KV_DTYPE),
-        "v_buffer": quantize_kv(args["v_buffer"], v_scale, FP8_KV_DTYPE),
+        "k_buffer": quantize_kv(args["k_buffer"], k_scale, FP8_DTYPE),
+        "v_buffer": quantize_kv(args["v_buffer"], v_scale, FP8_DTYPE),
     }

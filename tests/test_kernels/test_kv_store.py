@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weft.kernels.kv_store import kv_store, kv_store_ref
-from weft.runtime.kv_pool import FP8_KV_DTYPE, FP8_MAX
+from weft.runtime.models.fp8 import FP8_DTYPE, FP8_MAX
 
 from .kernel_utils import INTERPRETED, SMALL_DEVICE, generator, randn
 
@@ -58,7 +58,7 @@ def _run_fp8(name: str, device: torch.device, t: int, hkv: int, d: int) -> None:
     k = randn((t, hkv, d), torch.bfloat16, device, g) * 100  # past 448 * k_scale: saturates
     v = randn((t, hkv, d), torch.bfloat16, device, g)
     loc = (torch.randperm(num_slots - 1, generator=g, device=device)[:t] + 1).to(torch.int64)
-    k_buf = torch.full((num_slots, hkv, d), float("nan"), device=device).to(FP8_KV_DTYPE)
+    k_buf = torch.full((num_slots, hkv, d), float("nan"), device=device).to(FP8_DTYPE)
     v_buf = k_buf.clone()
     k_ref, v_ref = k_buf.clone(), v_buf.clone()
     kv_store(k, v, k_buf, v_buf, loc, k_scale=0.5, v_scale=0.01)
