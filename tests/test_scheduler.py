@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from conftest import make_engine
+from conftest import make_engine, require_default_model
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -178,4 +178,15 @@ def test_chunked_prefill_size_defaults_by_device_memory(stories_dir):
     engine.shutdown()
     engine = make_engine(stories_dir, device="cpu", max_total_tokens=1024, chunked_prefill_size=64)
     assert engine.scheduler.chunk_size == 64
+    engine.shutdown()
+
+
+def test_wait_for_grammars_returns_once_the_backends_are_built():
+    """The server says it is ready only after this (scheduler_process): the build of the default
+    model's 152k-token grammar vocabulary takes seconds, which the first request shared."""
+    require_default_model()
+    engine = make_engine(None, max_total_tokens=1024)
+    engine.scheduler.wait_for_grammars(60)
+    built = engine.scheduler._grammars_built
+    assert built is not None and built.done() and built.exception() is None
     engine.shutdown()
