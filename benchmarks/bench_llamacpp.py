@@ -1,7 +1,9 @@
 """weft vs llama.cpp (llama-cpp-python) on this CPU, on the same GGUF file: the embedded default
 model's Q4_K_M (Qwen2.5-Coder-0.5B-Instruct). llama.cpp runs its blocks as they are; weft keeps
 them quantized (int4 / int8, `--quantization gguf`, its default on a CPU with bf16 in hardware) or
-dequantizes them (`none`); `--quantization none,auto` runs weft once per value in the same run.
+dequantizes them (`none`); `--quantization none,auto` runs weft once per value in the same run,
+`--cpu-kernels auto,torch` once with weft's own CPU kernels for the quantized products and once
+with torch's.
 
 Workloads, greedy, end tokens ignored, the same raw prompt text on both sides (each side
 tokenizes it; the script checks that the ids agree):
@@ -194,11 +196,12 @@ def run_weft(args: argparse.Namespace, texts: dict[str, Any]) -> dict:
 
     progress(
         f"weft: starting Engine(dtype={args.dtype}, quantization={args.quantization}, "
-        f"num_threads={args.threads})"
+        f"cpu_kernels={args.cpu_kernels}, num_threads={args.threads})"
     )
     engine = Engine(
         dtype=args.dtype,
         quantization=args.quantization,
+        cpu_kernels=args.cpu_kernels,
         num_threads=args.threads,
         log_level="warning",
     )
@@ -222,7 +225,10 @@ def run_weft(args: argparse.Namespace, texts: dict[str, Any]) -> dict:
     result.update(asyncio.run(weft_batch(engine, ids["batch"], params(args.batch_output_len))))
     result["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
     quantized = [m for m in engine.runner.model.modules() if isinstance(m, QuantWeight)]
-    result["weights"] = f"{len(quantized)} quantized linear weights" if quantized else "dense"
+    kernels = f", {quantized[0].kernel}'s kernels" if quantized else ""
+    result["weights"] = (
+        f"{len(quantized)} quantized linear weights{kernels}" if quantized else "dense"
+    )
     result["torch_threads"] = torch.get_num_threads()
     result["prompt_ids"] = ids
     engine.shutdown()
@@ -343,11 +349,12 @@ def parent(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_llamacpp.") as out_dir:
         lcpp = run_side("llamacpp", args, gguf, out_dir)
         wefts = {
-            q: run_side("weft", args, gguf, out_dir, ("--quantization", q))
+            (q, k): run_side("weft", args, gguf, out_dir, ("--quantization", q, "--cpu-kernels", k))
             for q in args.quantization.split(",")
+            for k in args.cpu_kernels.split(",")
         }
-    for q, weft in wefts.items():
-        print(f"\n===== weft --quantization {q}: {weft['weights']} =====")
+    for (q, k), weft in wefts.items():
+        print(f"\n===== weft --quantization {q} --cpu-kernels {k}: {weft['weights']} =====")
         report(args, gguf, weft, lcpp)
 
 
@@ -389,6 +396,12 @@ def main() -> None:
         "--quantization",
         default="auto",
         help="weft's GGUF weights: auto, none or gguf; several comma-separated: one weft run each",
+    )
+    p.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        help="weft's products of quantized weights: auto (weft's own) or torch; comma-separated: "
+        "one weft run each (times each --quantization)",
     )
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--decode-len", type=int, default=128)

@@ -9,6 +9,9 @@
     fused_moe          mixture-of-experts MLP: grouped GEMMs over the tokens of each expert
     moe_routing        its top-k softmax and the grouping of tokens by expert (padded blocks)
 
+and one in C for CPUs: cpu_gemv (csrc/quant_gemv.c), the int8 / int4 weight-only products of
+decode, compiled for the processor on first use.
+
 Import the modules themselves (`from weft.kernels.rmsnorm import rmsnorm`): this package imports
 nothing, so `import weft.kernels` works where Triton is not installed.
 CPU tensors run under Triton's interpreter (set TRITON_INTERPRET=1 before importing triton).

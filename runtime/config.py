@@ -19,6 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+CPU_KERNELS = ("auto", "torch")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
@@ -52,6 +53,14 @@ class EngineConfig:
         "on a CPU without bfloat16 in hardware (AVX2), run bfloat16 products of 4 rows or more "
         "(prefill, batched decode) in float32 over the bfloat16 weights: ~4x the prefill rate "
         "there; outputs may differ from the bfloat16 products' at near-ties",
+    )
+    cpu_kernels: str = option(
+        "auto",
+        "GGUF weights kept quantized on a CPU: auto multiplies decode steps with weft's own "
+        "int8 / int4 kernels (C, compiled for the CPU on first use: AVX2 or AVX-512, a C "
+        "compiler, torch with OpenMP) where they build, else with torch's packed kernels; "
+        "torch uses torch's (~half the weight bandwidth)",
+        choices=CPU_KERNELS,
     )
     quantized_prefill: bool = option(
         False,

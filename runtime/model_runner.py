@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from weft.kernels import cpu_gemv
 from weft.runtime.attention import AttentionBackend, TorchAttention
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import ForwardBatch
@@ -88,12 +89,21 @@ def _weights_text(
         return f"all {name}"
     forms = [w.form for w in quantized]
     counts = ", ".join(f"{forms.count(f)} {f}" for f in ("int4", "int8") if f in forms)
+    native = quantized[0].native
+    kernels = (
+        f"weft's {native.isa} kernels"
+        if native is not None
+        else f"torch's packed kernels ({cpu_gemv.why_not()})"
+    )
     prefill = (
         "prefill through them too (quantized_prefill)"
         if quantized_prefill
         else f"steps of > {QUANT_MAX_ROWS} rows through a {name} copy of them"
     )
-    return f"{counts} linear weights kept quantized from the GGUF, {prefill}; the rest {name}"
+    return (
+        f"{counts} linear weights kept quantized from the GGUF, multiplied by {kernels}, "
+        f"{prefill}; the rest {name}"
+    )
 
 
 def _has_triton() -> bool:
@@ -169,6 +179,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.model_config, self.device)
         if self.device.type == "cpu":
             cpu_gemm.enable(config.cpu_float32_products)
+            cpu_gemv.use(config.cpu_kernels == "auto")
         cls = model_class(self.model_config.architecture)
         max_ctx = config.context_length or self.model_config.max_position_embeddings
         self.context_length = max_ctx

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_gguf import IDS, SPM_VOCAB, hf_weights, tiny_llama, write_gguf
 
+from weft.kernels import cpu_gemv
 from weft.runtime.loaders import gguf_convert
 from weft.runtime.loaders.gguf_convert import _Entry, _entry_data, _outputs, convert_gguf
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
@@ -87,14 +88,25 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["weft", "torch"])
+def kernels(request):
+    """Whose products QuantWeights take: weft's CPU kernels (kernels/cpu_gemv.py) or torch's."""
+    if request.param == "weft" and cpu_gemv.native() is None:
+        pytest.skip(f"weft's CPU kernels do not run here: {cpu_gemv.why_not()}")
+    cpu_gemv.use(request.param == "weft")
+    yield request.param
+    cpu_gemv.use(True)
+
+
 @pytest.mark.parametrize(("name", "requantize", "form"), CASES)
-def test_quantized_matmul_matches_the_gguf_weight(tensors, name, requantize, form):
+def test_quantized_matmul_matches_the_gguf_weight(tensors, kernels, name, requantize, form):
     source = tensors[name]
     if requantize is not None:
         source = _Requantized(source, requantize)
     qtype = source.tensor_type
     reference = torch.from_numpy(gguf.quants.dequantize(source.data, qtype))  # [out, in] f32
     weight = _quant_weight(source, form)
+    assert weight.kernel == kernels
     torch.manual_seed(0)
     x = torch.randn(QUANT_MAX_ROWS, reference.shape[1])
     expected = x @ reference.t()
@@ -249,10 +261,16 @@ def test_quantization_gguf_refuses_float32(monkeypatch):
     monkeypatch.setattr(source, "cpu_bf16_flags", lambda: ["amx_bf16"])
     assert not gguf_quantized(config.replace(quantization="auto"), torch.float32)
     assert gguf_quantized(config.replace(quantization="auto"), torch.bfloat16)
-    # auto keeps them dense on a CPU without bf16 in hardware (explicit gguf still quantizes)
+    # without bf16 in hardware, auto quantizes where weft's own CPU kernels run (they widen
+    # bf16 in registers), else keeps them dense (explicit gguf still quantizes)
     monkeypatch.setattr(source, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(cpu_gemv, "native", lambda: None)
     assert not gguf_quantized(config.replace(quantization="auto"), torch.bfloat16)
     assert gguf_quantized(config, torch.bfloat16)
+    monkeypatch.setattr(cpu_gemv, "native", lambda: object())
+    assert gguf_quantized(config.replace(quantization="auto"), torch.bfloat16)
+    torch_kernels = config.replace(quantization="auto", cpu_kernels="torch")
+    assert not gguf_quantized(torch_kernels, torch.bfloat16)
 
 
 def test_shard_bytes_cover_quantized_outputs(monkeypatch, tensors):

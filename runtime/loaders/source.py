@@ -78,6 +78,13 @@ def _gguf_dtype(config: EngineConfig) -> torch.dtype:
     return dtypes.get(config.dtype, torch.bfloat16)
 
 
+def _weft_cpu_kernels(config: EngineConfig) -> bool:
+    """Whether weft's CPU kernels for quantized products (kernels/cpu_gemv.py) run here."""
+    from weft.kernels import cpu_gemv
+
+    return config.cpu_kernels == "auto" and cpu_gemv.native() is not None
+
+
 def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
     """Whether a GGUF's linear weights stay quantized (config.quantization, resolved once here).
 
@@ -102,18 +109,25 @@ def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
             "tensor-parallel ranks yet: use quantization none (or auto), or tp_size 1"
         )
     hardware = bool(cpu_bf16_flags())
-    auto = not cuda and hardware and dtype == torch.bfloat16 and config.tp_size == 1
+    # NOTE: weft's own kernels widen bfloat16 in registers, so a CPU without bf16 in hardware
+    # (AVX2) decodes quantized weights as fast; torch's packed kernels do not there
+    native = choice == "auto" and not cuda and _weft_cpu_kernels(config)
+    auto = not cuda and (hardware or native) and dtype == torch.bfloat16 and config.tp_size == 1
     quantized = choice == "gguf" or (choice == "auto" and auto)
     why = {
         "gguf": "as configured",
         "none": "as configured",
-        "auto": "auto: a CPU with bf16 in hardware"
+        "auto": (
+            "auto: a CPU with bf16 in hardware"
+            if hardware
+            else "auto: weft's CPU kernels, no bf16 in hardware needed"
+        )
         if quantized
         else (
             "auto: CUDA"
             if cuda
             else "auto: no bf16 in hardware"
-            if not hardware
+            if not (hardware or native)
             else "auto: tensor parallelism"
             if config.tp_size > 1
             else "auto: dtype"

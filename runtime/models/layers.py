@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.kernels import cpu_gemv
 from weft.runtime.model_config import Fp8Checkpoint
 from weft.runtime.models.cpu_gemm import f32_linear, wants_f32
 from weft.runtime.models.fp8 import FP8_DTYPE, FP8Weight, merge_shards, quantize_weight
@@ -69,9 +70,11 @@ QUANT_MAX_ROWS = 4
 
 
 class QuantWeight(nn.Module):
-    """A linear weight [out, in] kept in a GGUF-derived weight-only form, multiplied on the CPU by
-    torch's packed kernels: int4 (groups of 32 along `in`, bf16 scale and zero per group,
-    w = (q - 8) * scale + zero) or int8 (one bf16 scale per output row, w = q * scale).
+    """A linear weight [out, in] kept in a GGUF-derived weight-only form: int4 (groups of 32
+    along `in`, a scale and zero per group, w = (q - 8) * scale + zero) or int8 (one scale per
+    output row, w = q * scale). Steps of a few rows multiply it as it is stored: with weft's own
+    CPU kernels (kernels/cpu_gemv.py) where they built for this CPU, else with torch's packed
+    ones; each holds its own packing of the same values (`kernel` says which).
 
     Steps of more than QUANT_MAX_ROWS rows (prefill) use `dense`, a bf16 copy dequantized from the
     same values at load, unless it was dropped (quantized_prefill).
@@ -88,6 +91,8 @@ class QuantWeight(nn.Module):
                 "quantized GGUF weights run on the CPU only (load with quantization none)"
             )
         self.out_features = qweight.shape[0]
+        self.native = cpu_gemv.native()
+        self.kernel = "weft" if self.native else "torch"
         self.packed: torch.Tensor
         self.scales: torch.Tensor
         self.dense: torch.Tensor | None
@@ -95,28 +100,34 @@ class QuantWeight(nn.Module):
             # qweight u8 [N, K/2]: even k in the low nibble, odd k in the high one
             q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
             n, k = q.shape
-            scale, zero = parts["qscale"].to(dtype), parts["qzero"].to(dtype)  # [N, K/32]
+            scale, zero = parts["qscale"], parts["qzero"]  # [N, K/32]
             if n % 16 or k % INT4_GROUP or tuple(scale.shape) != (n, k // INT4_GROUP):
                 raise ValueError(f"int4 weight [{n}, {k}]: needs out % 16 == 0 and in % 32 == 0")
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            # [K/32, N, 2]: the kernel's scales_and_zeros
-            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+            if self.native:
+                packed, sz = cpu_gemv.pack_int4(q, scale, zero)
+            else:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+                # [K/32, N, 2]: the kernel's scales_and_zeros
+                sz = torch.stack((scale.to(dtype), zero.to(dtype)), dim=-1).transpose(0, 1)
             self.register_buffer("packed", packed)
-            self.register_buffer("scales", sz)
-            w = (q.float() - 8).view(n, -1, INT4_GROUP) * scale.float()[..., None]
-            dense = (w + zero.float()[..., None]).view(n, k)
+            self.register_buffer("scales", sz.contiguous())
+            scale, zero = scale.to(dtype).float(), zero.to(dtype).float()
+            w = (q.float() - 8).view(n, -1, INT4_GROUP) * scale[..., None]
+            dense = (w + zero[..., None]).view(n, k)
+            self._in_features = k
         elif form == "int8":
             scale = parts["qscale"].to(dtype)  # [N]
             self.register_buffer("packed", qweight.contiguous())
             self.register_buffer("scales", scale)
             dense = qweight.float() * scale.float()[:, None]
+            self._in_features = qweight.shape[1]
         else:
             raise ValueError(f"unknown quantized form {form!r}")
         self.register_buffer("dense", dense.to(dtype))
 
     @property
     def in_features(self) -> int:
-        return self.packed.shape[1] * (2 if self.form == "int4" else 1)
+        return self._in_features
 
     def drop_dense(self) -> None:
         self.dense = None
@@ -127,13 +138,16 @@ class QuantWeight(nn.Module):
             return (
                 f32_linear(x, self.dense, bias) if wants_f32(x) else F.linear(x, self.dense, bias)
             )
-        x = x.contiguous()  # NOTE: both kernels read x as a dense [M, K] matrix
-        if self.form == "int4":
+        if self.native is not None:
+            run = self.native.int4 if self.form == "int4" else self.native.int8
+            out = run(x, self.packed, self.scales)
+        elif self.form == "int4":
+            x = x.contiguous()  # NOTE: both torch kernels read x as a dense [M, K] matrix
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.packed, INT4_GROUP, self.scales
             )
         else:
-            out = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
+            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scales)
         return out if bias is None else out + bias
 
 

@@ -1,0 +1,390 @@
+/* Weight-only quantized matrix products of a few rows on a CPU: out[m, n] = x[m, :] . w[n, :].
+ *
+ * Decode is bound by reading weights; torch's packed int4/int8 CPU kernels stream them at about
+ * half the memory's read rate (RESULTS.md, issue 21). These stream each weight row once for all
+ * M (<= MAX_M) rows of x, widen it to float32 in registers and multiply it there: the result is
+ * the float32 product of x and the dequantized weight, summed in another order.
+ *
+ * Forms (kernels/cpu_gemv.py packs them):
+ *   int8: w int8 [N, K], one bfloat16 scale per row: w = q * scale.
+ *   int4: groups of 32 along K, 16 bytes a group: byte i holds k = i in its low nibble and
+ *         k = i + 16 in its high one; per group a bfloat16 scale s and offset o: w = q * s + o
+ *         (q in 0..15). Its product widens x to int16 (one scale per row of x: |x| / 32767,
+ *         finer than x's own bfloat16) and sums q * x in int32 per group, then in float32.
+ * x and out are bfloat16 [M, K] and [M, N]. Rows of w are split over OpenMP threads in
+ * contiguous blocks, so each thread streams its own part of the weight.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define PREFETCH(p) __builtin_prefetch(p)
+#endif
+
+#define MAX_M 4
+#define GROUP 32
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* The vector layer of the int8 product: VL float lanes; widen_i8 widens VL int8 at p. */
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSET1(v) _mm512_set1_ps(v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSUM(v) _mm512_reduce_add_ps(v)
+static inline vf widen_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSET1(v) _mm256_set1_ps(v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float VSUM(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vf widen_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+#define VL 1
+typedef float vf;
+#define VZERO() 0.0f
+#define VLOAD(p) (*(p))
+#define VSET1(v) (v)
+#define VFMA(a, b, c) ((a) * (b) + (c))
+#define VSUM(v) (v)
+static inline vf widen_i8(const int8_t *p) { return (float)*p; }
+#endif
+
+/* Which vector path this build took: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (scalar C). */
+int weft_gemv_lanes(void) { return VL; }
+
+static float *widen_x(const uint16_t *x, int m, int k) {
+    float *xf = malloc((size_t)m * k * sizeof(float));
+    if (xf)
+        for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = bf16_to_f32(x[i]);
+    return xf;
+}
+
+/* Four rows of w (n .. n+3) against M rows of x: 4 * M independent accumulators. */
+static inline __attribute__((always_inline)) void int8_rows4(
+    const float *xf, int M, int K, const int8_t *w, const uint16_t *scale, uint16_t *out,
+    int N, int n) {
+    vf acc[4][MAX_M];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 4
+        for (int m = 0; m < M; m++) acc[r][m] = VZERO();
+    const int8_t *row = w + (int64_t)n * K;
+    int k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf xv[MAX_M];
+        /* NOTE: rows shorter than a few KB (896 bytes in a 0.5B model) end before the
+         * hardware prefetcher ramps up: fetching the next block of rows ahead streams the
+         * weight at ~28 GB/s on 2 Zen 4 cores instead of ~13 */
+        PREFETCH(row + 4 * (int64_t)K + 4 * (int64_t)k);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; m++) xv[m] = VLOAD(xf + (int64_t)m * K + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            vf wv = widen_i8(row + (int64_t)r * K + k);
+#pragma GCC unroll 4
+            for (int m = 0; m < M; m++) acc[r][m] = VFMA(wv, xv[m], acc[r][m]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float s = bf16_to_f32(scale[n + r]);
+        for (int m = 0; m < M; m++) {
+            float sum = VSUM(acc[r][m]);
+            for (int t = k; t < K; t++) sum += (float)row[(int64_t)r * K + t] * xf[(int64_t)m * K + t];
+            out[(int64_t)m * N + n + r] = f32_to_bf16(sum * s);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_block(
+    const float *xf, int M, int K, const int8_t *w, const uint16_t *scale, uint16_t *out,
+    int N, int lo, int hi) {
+    int n = lo;
+    for (; n + 4 <= hi; n += 4) int8_rows4(xf, M, K, w, scale, out, N, n);
+    for (; n < hi; n++)  /* the last N % 4 rows */
+        for (int m = 0; m < M; m++) {
+            float sum = 0.0f;
+            for (int k = 0; k < K; k++) sum += (float)w[(int64_t)n * K + k] * xf[(int64_t)m * K + k];
+            out[(int64_t)m * N + n] = f32_to_bf16(sum * bf16_to_f32(scale[n]));
+        }
+}
+
+/* 1 <= M <= MAX_M, on `threads` OpenMP threads. Returns 0, or -1 when out of memory. */
+int weft_gemv_int8(const uint16_t *x, int M, int K, const int8_t *w, const uint16_t *scale,
+                   uint16_t *out, int N, int threads) {
+    float *xf = widen_x(x, M, K);
+    if (!xf) return -1;
+    int blocks = N / 4;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void), omp_get_num_threads(void);
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int t = 0, nt = 1;
+#endif
+        int lo = 4 * (int)((int64_t)blocks * t / nt), hi = 4 * (int)((int64_t)blocks * (t + 1) / nt);
+        if (t == nt - 1) hi = N;
+        switch (M) {  /* NOTE: constant M per call, so each inlined copy keeps acc in registers */
+            case 1: int8_block(xf, 1, K, w, scale, out, N, lo, hi); break;
+            case 2: int8_block(xf, 2, K, w, scale, out, N, lo, hi); break;
+            case 3: int8_block(xf, 3, K, w, scale, out, N, lo, hi); break;
+            default: int8_block(xf, 4, K, w, scale, out, N, lo, hi); break;
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+
+/* --- int4 --------------------------------------------------------------------------------
+ * Per group g of row n: sum_k x_k (q_k s + o) = s * (x . q) + o * sum_g(x). With x = xs * xq
+ * (xq int16): xs * (s * (xq . q) + o * sum_g(x) / xs); each thread sums the bracket. */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Two groups a step: 32 bytes widen to 32 int16 lanes [g: bytes 0-15 | g+1: bytes 0-15], whose
+ * low nibbles are k 0-15 and high nibbles k 16-31 of each group; xq is stored in that order
+ * (per pair: 32 x of the low nibbles, then 32 of the high ones) and xsv holds, per pair, 16
+ * lanes of sum_g(x) / (8 xs): 8 lanes for g, 8 for g + 1, as the int32 lanes of the products. */
+#define I4_STEP 2
+#if defined(__AVX512VNNI__)
+#define DPW(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPW(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
+static inline __attribute__((always_inline)) void int4_rows2(
+    const int16_t *xq, const float *xsv, int M, int K, const uint8_t *w, const uint16_t *so,
+    float sums[2][MAX_M], int n) {
+    int G = K / GROUP, P = G / 2;
+    const __m512i idx_s = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i idx_o = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i low4 = _mm512_set1_epi16(15);
+    __m512 acc[2][MAX_M];
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++)
+#pragma GCC unroll 4
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int p = 0; p < P; p++) {
+        PREFETCH(w + (int64_t)n * G * (GROUP / 2) + K + 64 * (int64_t)p);  /* the next 2 rows */
+        if ((p & 3) == 0) PREFETCH(so + (int64_t)(n + 2) * G * 2 + 8 * (int64_t)p);
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            int64_t at = (int64_t)(n + r) * G + 2 * p;
+            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + at * 16)));
+            __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi16(b, 4);
+            __m128i raw = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(so + at * 2)));
+            __m512 so4 = _mm512_castps128_ps512(_mm_castsi128_ps(_mm_slli_epi32(raw, 16)));
+            __m512 sv = _mm512_permutexvar_ps(idx_s, so4), ov = _mm512_permutexvar_ps(idx_o, so4);
+#pragma GCC unroll 4
+            for (int m = 0; m < M; m++) {
+                const int16_t *xp = xq + (int64_t)m * K + (int64_t)p * 64;
+                __m512i d = DPW(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp));
+                d = DPW(d, hi, _mm512_loadu_si512(xp + 32));
+                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[r][m]);
+                acc[r][m] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(xsv + ((int64_t)m * P + p) * 16),
+                                            acc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < M; m++) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* One group a step: 16 bytes widen to 16 int16 lanes; xq in x's order, xsv[g] = sum_g(x) / xs. */
+#define I4_STEP 1
+
+static inline __attribute__((always_inline)) void int4_rows2(
+    const int16_t *xq, const float *xsv, int M, int K, const uint8_t *w, const uint16_t *so,
+    float sums[2][MAX_M], int n) {
+    int G = K / GROUP;
+    const __m256i low4 = _mm256_set1_epi16(15);
+    __m256 acc[2][MAX_M];
+    float off[2][MAX_M];
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++)
+#pragma GCC unroll 4
+        for (int m = 0; m < M; m++) {
+            acc[r][m] = _mm256_setzero_ps();
+            off[r][m] = 0.0f;
+        }
+    for (int g = 0; g < G; g++) {
+        PREFETCH(w + (int64_t)n * G * (GROUP / 2) + K + 32 * (int64_t)g);
+        if ((g & 7) == 0) PREFETCH(so + (int64_t)(n + 2) * G * 2 + 4 * (int64_t)g);
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            int64_t at = (int64_t)(n + r) * G + g;
+            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + at * 16)));
+            __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_srli_epi16(b, 4);
+            __m256 sv = _mm256_set1_ps(bf16_to_f32(so[at * 2]));
+            float o = bf16_to_f32(so[at * 2 + 1]);
+#pragma GCC unroll 4
+            for (int m = 0; m < M; m++) {
+                const int16_t *xp = xq + (int64_t)m * K + (int64_t)g * GROUP;
+                __m256i d = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
+                    _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, acc[r][m]);
+                off[r][m] += o * xsv[(int64_t)m * G + g];
+            }
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < M; m++) sums[r][m] = VSUM(acc[r][m]) + off[r][m];
+}
+
+#else
+#define I4_STEP 1
+
+static inline void int4_rows2(const int16_t *xq, const float *xsv, int M, int K,
+                              const uint8_t *w, const uint16_t *so, float sums[2][MAX_M], int n) {
+    int G = K / GROUP;
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < M; m++) {
+            float sum = 0.0f;
+            for (int g = 0; g < G; g++) {
+                int64_t at = (int64_t)(n + r) * G + g;
+                const int16_t *xp = xq + (int64_t)m * K + (int64_t)g * GROUP;
+                int32_t d = 0;
+                for (int i = 0; i < GROUP / 2; i++)
+                    d += (w[at * 16 + i] & 15) * xp[i] + (w[at * 16 + i] >> 4) * xp[i + 16];
+                sum += (float)d * bf16_to_f32(so[at * 2]) +
+                       bf16_to_f32(so[at * 2 + 1]) * xsv[(int64_t)m * G + g];
+            }
+            sums[r][m] = sum;
+        }
+}
+#endif
+
+/* The groups int4_rows2's steps leave over (an odd last group of the AVX-512 path), in C. */
+static float int4_tail(const float *xf, int K, const uint8_t *w, const uint16_t *so, int n,
+                       int g0) {
+    int G = K / GROUP;
+    float sum = 0.0f;
+    for (int g = g0; g < G; g++) {
+        int64_t at = (int64_t)n * G + g;
+        float s = bf16_to_f32(so[at * 2]), o = bf16_to_f32(so[at * 2 + 1]);
+        for (int i = 0; i < GROUP / 2; i++) {
+            uint8_t b = w[at * 16 + i];
+            sum += xf[g * GROUP + i] * ((b & 15) * s + o) + xf[g * GROUP + i + 16] * ((b >> 4) * s + o);
+        }
+    }
+    return sum;
+}
+
+/* x -> xq (int16, in int4_rows2's order), xs[m] and xsv; xf keeps x in float32. */
+static void widen_x16(const float *xf, int M, int K, int16_t *xq, float *xs, float *xsv) {
+    int G = K / GROUP;
+    for (int m = 0; m < M; m++) {
+        const float *row = xf + (int64_t)m * K;
+        float peak = 0.0f;
+        for (int k = 0; k < K; k++) peak = row[k] > peak ? row[k] : -row[k] > peak ? -row[k] : peak;
+        float scale = peak > 0.0f ? peak / 32767.0f : 1.0f;
+        xs[m] = scale;
+        int16_t *q = xq + (int64_t)m * K;
+        for (int g = 0; g < G; g++) {
+            float sum = 0.0f;
+            for (int i = 0; i < GROUP; i++) sum += row[g * GROUP + i];
+#if I4_STEP == 2
+            int p = g / 2, half = g % 2;
+            if (p < G / 2) {
+                for (int i = 0; i < GROUP / 2; i++) {
+                    q[p * 64 + half * 16 + i] = (int16_t)__builtin_lrintf(row[g * GROUP + i] / scale);
+                    q[p * 64 + 32 + half * 16 + i] =
+                        (int16_t)__builtin_lrintf(row[g * GROUP + 16 + i] / scale);
+                }
+                for (int i = 0; i < 8; i++) xsv[((int64_t)m * (G / 2) + p) * 16 + half * 8 + i] = sum / (8.0f * scale);
+            }
+#else
+            for (int i = 0; i < GROUP; i++)
+                q[g * GROUP + i] = (int16_t)__builtin_lrintf(row[g * GROUP + i] / scale);
+            xsv[(int64_t)m * G + g] = sum / scale;
+#endif
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_block(
+    const float *xf, const int16_t *xq, const float *xs, const float *xsv, int M, int K,
+    const uint8_t *w, const uint16_t *so, uint16_t *out, int N, int lo, int hi) {
+    int G = K / GROUP, done = G / I4_STEP * I4_STEP;
+    for (int n = lo; n < hi; n += 2) {
+        float sums[2][MAX_M];
+        int4_rows2(xq, xsv, M, K, w, so, sums, n);
+        for (int r = 0; r < 2; r++)
+            for (int m = 0; m < M; m++) {
+                float tail = done < G ? int4_tail(xf + (int64_t)m * K, K, w, so, n + r, done) : 0.0f;
+                out[(int64_t)m * N + n + r] = f32_to_bf16(sums[r][m] * xs[m] + tail);
+            }
+    }
+}
+
+/* K % 32 == 0, N % 2 == 0, 1 <= M <= MAX_M; so: bfloat16 [N, K / 32, 2] (scale, offset). */
+int weft_gemv_int4(const uint16_t *x, int M, int K, const uint8_t *w, const uint16_t *so,
+                   uint16_t *out, int N, int threads) {
+    int G = K / GROUP;
+    float *xf = widen_x(x, M, K), xs[MAX_M];
+    int16_t *xq = malloc((size_t)M * K * sizeof(int16_t));
+    float *xsv = malloc((size_t)M * G * 8 * sizeof(float));
+    if (!xf || !xq || !xsv) {
+        free(xf);
+        free(xq);
+        free(xsv);
+        return -1;
+    }
+    widen_x16(xf, M, K, xq, xs, xsv);
+    int pairs = N / 2;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void), omp_get_num_threads(void);
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int t = 0, nt = 1;
+#endif
+        int lo = 2 * (int)((int64_t)pairs * t / nt), hi = 2 * (int)((int64_t)pairs * (t + 1) / nt);
+        switch (M) {
+            case 1: int4_block(xf, xq, xs, xsv, 1, K, w, so, out, N, lo, hi); break;
+            case 2: int4_block(xf, xq, xs, xsv, 2, K, w, so, out, N, lo, hi); break;
+            case 3: int4_block(xf, xq, xs, xsv, 3, K, w, so, out, N, lo, hi); break;
+            default: int4_block(xf, xq, xs, xsv, 4, K, w, so, out, N, lo, hi); break;
+        }
+    }
+    free(xf);
+    free(xq);
+    free(xsv);
+    return 0;
+}
