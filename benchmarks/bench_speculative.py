@@ -202,8 +202,11 @@ def measure(
         if a["output_ids"] != b["output_ids"]
     ]
     if diverged:
-        # NOTE: a verify step multiplies other shapes than a decode step (more than 4 rows: a
-        # bfloat16 copy of the quantized weights): a near tie may go the other way
+        # NOTE: on a CPU the linear layers give a verify step's rows the bits of decode steps
+        # (weft's CPU kernels, layers.QuantRows), but attention does not: a verify step's
+        # queries go through the extend path (a causal mask over prefix + drafts), a decode
+        # step's through the decode path, which round differently; a near tie may go the
+        # other way
         print(f"!!! {name}: outputs differ from those without speculation at tokens {diverged}")
     for o in spec if name == "json" else []:
         json.loads(o["text"])  # must parse (the tests validate the schema)

@@ -35,7 +35,7 @@ from weft.runtime.hardware import cpu_flags
 logger = logging.getLogger("weft")
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_gemv.c"
-MAX_ROWS = 4  # rows of x per pass over the weight (the C's MAX_M)
+MAX_ROWS = 8  # rows of x per pass over the weight (the C's MAX_M)
 GROUP = 32
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _ISA = {16: "AVX-512", 8: "AVX2"}

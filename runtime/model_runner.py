@@ -21,7 +21,7 @@ from weft.runtime.model_config import ModelConfig
 from weft.runtime.models import cpu_gemm
 from weft.runtime.models.cpu_gemm import F32_MIN_ROWS, widen_bf16_gemm
 from weft.runtime.models.fp8 import FP8_DTYPE, FP8Weight
-from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
+from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantRows, QuantWeight, quant_rows
 from weft.runtime.models.registry import model_class
 from weft.runtime.parallel import SINGLE, TPGroup
 
@@ -207,6 +207,12 @@ class ModelRunner:
         if config.quantized_prefill:
             for weight in quantized:
                 weight.drop_dense()
+        # weft's CPU kernels give a row the same bits in any step: decode and verify steps (up
+        # to decode_len new tokens a request) take them for every row (layers.QuantRows)
+        self.row_invariant = any(w.native is not None for w in quantized)
+        # NOTE: whether or not this server speculates (a verify step, or a grammar's forced
+        # tokens, adds at most speculative_num_draft_tokens to a request)
+        self.decode_len = 1 + config.speculative_num_draft_tokens
         self.kv_pool = KVPool(
             self._pool_size(),
             cfg.num_layers,
@@ -341,11 +347,32 @@ class ModelRunner:
         """Final hidden states [K, hidden] of the rows in batch.logits_indices."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
-        return self.model(batch, self.attention)
+        with quant_rows(self._decode_rows(batch)):
+            return self.model(batch, self.attention)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[K, hidden] -> [K, vocab] float32; rows: of hidden, [n] -> [n, vocab]."""
         if rows is not None:
             hidden = hidden[rows]
-        return self.model.compute_logits(hidden)  # type: ignore[operator]
+        # every row's logits through the quantized lm_head where it is weft's (see QuantRows)
+        with quant_rows(QuantRows(hidden.shape[0]) if self.row_invariant else None):
+            return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+    def _decode_rows(self, batch: ForwardBatch) -> QuantRows | None:
+        """The step's tokens of requests that decode or verify drafts (at most decode_len new
+        tokens), for weft's CPU kernels (QuantRows); None where the weights are not theirs."""
+        if not self.row_invariant:
+            return None
+        lens = batch.extend_lens_cpu
+        if max(lens) <= self.decode_len:
+            return QuantRows(len(batch.input_ids))
+        if min(lens) > self.decode_len:
+            return None
+        rows: list[int] = []
+        start = 0
+        for n in lens:
+            if n <= self.decode_len:
+                rows.extend(range(start, start + n))
+            start += n
+        return QuantRows(start, torch.tensor(rows))

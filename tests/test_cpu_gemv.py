@@ -48,7 +48,7 @@ def _int4_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize(("n", "k"), INT8_SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8, 11])
 def test_int8_matches_its_twin(gemv, n, k, m):
     g = torch.Generator().manual_seed(n * k + m)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
@@ -62,7 +62,7 @@ def test_int8_matches_its_twin(gemv, n, k, m):
 
 
 @pytest.mark.parametrize(("n", "k"), INT4_SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8, 11])
 def test_int4_matches_its_twin(gemv, n, k, m):
     packed, so = cpu_gemv.pack_int4(*_int4_weight(n, k, seed=n + k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)

@@ -20,7 +20,7 @@ from test_gguf import IDS, SPM_VOCAB, hf_weights, tiny_llama, write_gguf
 from weft.kernels import cpu_gemv
 from weft.runtime.loaders import gguf_convert
 from weft.runtime.loaders.gguf_convert import _Entry, _entry_data, _outputs, convert_gguf
-from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantWeight
+from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantRows, QuantWeight, quant_rows
 
 from conftest import fixture_path, gguf_reader, make_engine, require_default_model
 
@@ -279,3 +279,45 @@ def test_shard_bytes_cover_quantized_outputs(monkeypatch, tensors):
     entry = _Entry("w.weight", tuple(reversed(source.shape.tolist())), source, form="int4")
     written = sum(t.numel() * t.element_size() for t in _entry_data(entry, torch.bfloat16))
     assert written == gguf_convert._nbytes(entry, torch.bfloat16)
+
+
+def test_decode_rows_get_the_bits_of_a_row_alone(tensors):
+    """With weft's CPU kernels, a decode or verify step's rows (QuantRows) are multiplied as each
+    row alone would be, whatever their count; other steps' rows go through the dense copy."""
+    if cpu_gemv.native() is None:
+        pytest.skip(f"weft's CPU kernels do not run here: {cpu_gemv.why_not()}")
+    weight = _quant_weight(tensors["blk.0.ffn_gate.weight"], "int8")
+    x = torch.randn(9, weight.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    alone = torch.cat([weight.matmul(x[i : i + 1], None) for i in range(9)])
+    dense = weight.matmul(x, None)  # no choice made: 9 rows take the dense copy
+    assert not torch.equal(dense, alone)
+    with quant_rows(QuantRows(9)):
+        assert torch.equal(weight.matmul(x, None), alone)
+    rows = torch.tensor([2, 5, 6])
+    others = torch.tensor([0, 1, 3, 4, 7, 8])
+    with quant_rows(QuantRows(9, rows)):
+        mixed = weight.matmul(x, None)
+    assert torch.equal(mixed[rows], alone[rows]) and torch.equal(mixed[others], dense[others])
+    with quant_rows(QuantRows(10)):  # another row count than the step's: not its rows
+        assert torch.equal(weight.matmul(x, None), dense)
+
+
+def test_decode_rows_of_a_step():
+    """The model runner's choice: tokens of requests that add at most decode_len tokens."""
+    from types import SimpleNamespace
+
+    from weft.runtime.model_runner import ModelRunner
+
+    runner = SimpleNamespace(row_invariant=True, decode_len=9)
+
+    def rows(lens: list[int]) -> object:
+        batch = SimpleNamespace(extend_lens_cpu=lens, input_ids=torch.zeros(sum(lens)))
+        return ModelRunner._decode_rows(runner, batch)  # type: ignore[arg-type]
+
+    assert rows([1, 9, 1]) == QuantRows(11)
+    assert rows([10, 30]) is None
+    mixed = rows([1, 30, 3])
+    assert mixed.total == 34 and mixed.rows.tolist() == [0, 31, 32, 33]
+    runner.row_invariant = False  # torch's kernels: the step's row count decides
+    assert rows([1, 9, 1]) is None

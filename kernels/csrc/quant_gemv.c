@@ -25,7 +25,7 @@
 #define PREFETCH(p) __builtin_prefetch(p)
 #endif
 
-#define MAX_M 4
+#define MAX_M 8
 #define GROUP 32
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -92,14 +92,14 @@ static float *widen_x(const uint16_t *x, int m, int k) {
     return xf;
 }
 
-/* Four rows of w (n .. n+3) against M rows of x: 4 * M independent accumulators. */
-static inline __attribute__((always_inline)) void int8_rows4(
-    const float *xf, int M, int K, const int8_t *w, const uint16_t *scale, uint16_t *out,
+/* NR rows of w (n .. n+NR-1) against M rows of x: NR * M independent accumulators. */
+static inline __attribute__((always_inline)) void int8_rows(
+    const float *xf, int M, int NR, int K, const int8_t *w, const uint16_t *scale, uint16_t *out,
     int N, int n) {
     vf acc[4][MAX_M];
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; r++)
-#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[r][m] = VZERO();
     const int8_t *row = w + (int64_t)n * K;
     int k = 0;
@@ -108,17 +108,17 @@ static inline __attribute__((always_inline)) void int8_rows4(
         /* NOTE: rows shorter than a few KB (896 bytes in a 0.5B model) end before the
          * hardware prefetcher ramps up: fetching the next block of rows ahead streams the
          * weight at ~28 GB/s on 2 Zen 4 cores instead of ~13 */
-        PREFETCH(row + 4 * (int64_t)K + 4 * (int64_t)k);
-#pragma GCC unroll 4
+        PREFETCH(row + NR * (int64_t)K + NR * (int64_t)k);
+#pragma GCC unroll 8
         for (int m = 0; m < M; m++) xv[m] = VLOAD(xf + (int64_t)m * K + k);
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < NR; r++) {
             vf wv = widen_i8(row + (int64_t)r * K + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int m = 0; m < M; m++) acc[r][m] = VFMA(wv, xv[m], acc[r][m]);
         }
     }
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < NR; r++) {
         float s = bf16_to_f32(scale[n + r]);
         for (int m = 0; m < M; m++) {
             float sum = VSUM(acc[r][m]);
@@ -128,11 +128,14 @@ static inline __attribute__((always_inline)) void int8_rows4(
     }
 }
 
+/* Rows lo .. hi of w, NR at a time (4 for up to 4 rows of x; 2 above, as 4 * 8 accumulators
+ * would not fit the registers). */
 static inline __attribute__((always_inline)) void int8_block(
     const float *xf, int M, int K, const int8_t *w, const uint16_t *scale, uint16_t *out,
     int N, int lo, int hi) {
+    const int NR = M <= 4 ? 4 : 2;
     int n = lo;
-    for (; n + 4 <= hi; n += 4) int8_rows4(xf, M, K, w, scale, out, N, n);
+    for (; n + NR <= hi; n += NR) int8_rows(xf, M, NR, K, w, scale, out, N, n);
     for (; n < hi; n++)  /* the last N % 4 rows */
         for (int m = 0; m < M; m++) {
             float sum = 0.0f;
@@ -161,7 +164,11 @@ int weft_gemv_int8(const uint16_t *x, int M, int K, const int8_t *w, const uint1
             case 1: int8_block(xf, 1, K, w, scale, out, N, lo, hi); break;
             case 2: int8_block(xf, 2, K, w, scale, out, N, lo, hi); break;
             case 3: int8_block(xf, 3, K, w, scale, out, N, lo, hi); break;
-            default: int8_block(xf, 4, K, w, scale, out, N, lo, hi); break;
+            case 4: int8_block(xf, 4, K, w, scale, out, N, lo, hi); break;
+            case 5: int8_block(xf, 5, K, w, scale, out, N, lo, hi); break;
+            case 6: int8_block(xf, 6, K, w, scale, out, N, lo, hi); break;
+            case 7: int8_block(xf, 7, K, w, scale, out, N, lo, hi); break;
+            default: int8_block(xf, 8, K, w, scale, out, N, lo, hi); break;
         }
     }
     free(xf);
@@ -195,7 +202,7 @@ static inline __attribute__((always_inline)) void int4_rows2(
     __m512 acc[2][MAX_M];
 #pragma GCC unroll 2
     for (int r = 0; r < 2; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
     for (int p = 0; p < P; p++) {
         PREFETCH(w + (int64_t)n * G * (GROUP / 2) + K + 64 * (int64_t)p);  /* the next 2 rows */
@@ -208,7 +215,7 @@ static inline __attribute__((always_inline)) void int4_rows2(
             __m128i raw = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(so + at * 2)));
             __m512 so4 = _mm512_castps128_ps512(_mm_castsi128_ps(_mm_slli_epi32(raw, 16)));
             __m512 sv = _mm512_permutexvar_ps(idx_s, so4), ov = _mm512_permutexvar_ps(idx_o, so4);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
                 const int16_t *xp = xq + (int64_t)m * K + (int64_t)p * 64;
                 __m512i d = DPW(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp));
@@ -236,7 +243,7 @@ static inline __attribute__((always_inline)) void int4_rows2(
     float off[2][MAX_M];
 #pragma GCC unroll 2
     for (int r = 0; r < 2; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < M; m++) {
             acc[r][m] = _mm256_setzero_ps();
             off[r][m] = 0.0f;
@@ -251,7 +258,7 @@ static inline __attribute__((always_inline)) void int4_rows2(
             __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_srli_epi16(b, 4);
             __m256 sv = _mm256_set1_ps(bf16_to_f32(so[at * 2]));
             float o = bf16_to_f32(so[at * 2 + 1]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
                 const int16_t *xp = xq + (int64_t)m * K + (int64_t)g * GROUP;
                 __m256i d = _mm256_add_epi32(
@@ -380,7 +387,11 @@ int weft_gemv_int4(const uint16_t *x, int M, int K, const uint8_t *w, const uint
             case 1: int4_block(xf, xq, xs, xsv, 1, K, w, so, out, N, lo, hi); break;
             case 2: int4_block(xf, xq, xs, xsv, 2, K, w, so, out, N, lo, hi); break;
             case 3: int4_block(xf, xq, xs, xsv, 3, K, w, so, out, N, lo, hi); break;
-            default: int4_block(xf, xq, xs, xsv, 4, K, w, so, out, N, lo, hi); break;
+            case 4: int4_block(xf, xq, xs, xsv, 4, K, w, so, out, N, lo, hi); break;
+            case 5: int4_block(xf, xq, xs, xsv, 5, K, w, so, out, N, lo, hi); break;
+            case 6: int4_block(xf, xq, xs, xsv, 6, K, w, so, out, N, lo, hi); break;
+            case 7: int4_block(xf, xq, xs, xsv, 7, K, w, so, out, N, lo, hi); break;
+            default: int4_block(xf, xq, xs, xsv, 8, K, w, so, out, N, lo, hi); break;
         }
     }
     free(xf);

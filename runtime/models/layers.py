@@ -9,10 +9,12 @@ these layers is split over ranks without code of its own.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +67,40 @@ INT4_GROUP = 32
 # NOTE: torch's int4/int8 CPU matmuls cost about linearly in M (they dequantize per row): from
 # 8 rows on, bf16 GEMM over a dequantized copy is faster (2-core Xeon: int4 0.58 ms vs bf16
 # 0.83 ms at M = 1 for 9728 x 896, 33 vs 4.4 ms at M = 128); steps of up to this many rows
-# use the quantized kernels (RESULTS.md, issue 21)
+# use the quantized kernels (RESULTS.md, issue 21); weft's own do so from 6 rows on
 QUANT_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """The rows of a step's [T, in] inputs that QuantWeights multiply with their quantized
+    kernels, the others with the dense copy: `rows` None for all of them.
+
+    NOTE: weft's CPU kernels give each row the same bits whatever rows come with it; the dense
+    copy's GEMM rounds otherwise. The model runner sends the tokens of decode and verify steps
+    through the quantized kernels whatever their count, so that a greedy token does not depend
+    on the batch it decodes in, nor on whether its request speculates (a verify step of 9 rows
+    must compute what 9 decode steps would).
+    """
+
+    total: int  # T: a linear of another row count (none in the models now) keeps the default
+    rows: torch.Tensor | None = None
+
+
+_QUANT_ROWS: contextvars.ContextVar[QuantRows | None] = contextvars.ContextVar(
+    "quant_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def quant_rows(choice: QuantRows | None) -> Iterator[None]:
+    """QuantWeights multiply these rows with their quantized kernels within the block (None:
+    those of steps of up to QUANT_MAX_ROWS rows)."""
+    token = _QUANT_ROWS.set(choice)
+    try:
+        yield
+    finally:
+        _QUANT_ROWS.reset(token)
 
 
 class QuantWeight(nn.Module):
@@ -134,10 +168,22 @@ class QuantWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
-        if self.dense is not None and x.shape[0] > QUANT_MAX_ROWS:
-            return (
-                f32_linear(x, self.dense, bias) if wants_f32(x) else F.linear(x, self.dense, bias)
-            )
+        if self.dense is None or x.shape[0] <= QUANT_MAX_ROWS:
+            return self._quantized(x, bias)
+        choice = _QUANT_ROWS.get() if self.native is not None else None
+        if choice is None or choice.total != x.shape[0]:
+            return self._dense(x, bias)
+        if choice.rows is None:
+            return self._quantized(x, bias)
+        out = self._dense(x, bias)  # NOTE: a mixed step: few decode rows beside a prefill chunk
+        out[choice.rows] = self._quantized(x[choice.rows], bias)
+        return out
+
+    def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert self.dense is not None
+        return f32_linear(x, self.dense, bias) if wants_f32(x) else F.linear(x, self.dense, bias)
+
+    def _quantized(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.native is not None:
             run = self.native.int4 if self.form == "int4" else self.native.int8
             out = run(x, self.packed, self.scales)
