@@ -2,17 +2,18 @@
  *
  * Decode is bound by reading weights; torch's packed int4/int8 CPU kernels stream them at about
  * half the memory's read rate (RESULTS.md, issue 21). These stream each weight row once for all
- * M (<= MAX_M) rows of x, widen it to float32 in registers and multiply it there: the result is
- * the float32 product of x and the dequantized weight, summed in another order.
+ * M (<= MAX_M) rows of x. x is widened to int16 with one scale per row (max |x| / 32767: finer
+ * than x's own bfloat16), the weight's integers are multiplied with it in int16 lanes and summed
+ * in int32 (AVX-512 VNNI's vpdpwssd, else pmaddwd), then scaled in float32.
  *
  * Forms (kernels/cpu_gemv.py packs them):
  *   int8: w int8 [N, K], one bfloat16 scale per row: w = q * scale.
  *   int4: groups of 32 along K, 16 bytes a group: byte i holds k = i in its low nibble and
  *         k = i + 16 in its high one; per group a bfloat16 scale s and offset o: w = q * s + o
- *         (q in 0..15). Its product widens x to int16 (one scale per row of x: |x| / 32767,
- *         finer than x's own bfloat16) and sums q * x in int32 per group, then in float32.
+ *         (q in 0..15).
  * x and out are bfloat16 [M, K] and [M, N]. Rows of w are split over OpenMP threads in
- * contiguous blocks, so each thread streams its own part of the weight.
+ * contiguous blocks, so each thread streams its own part of the weight. A row of the output
+ * depends on its own row of x only: the same bits whatever rows come with it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,47 +44,56 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-/* The vector layer of the int8 product: VL float lanes; widen_i8 widens VL int8 at p. */
-#if defined(__AVX512F__)
-#define VL 16
-typedef __m512 vf;
-#define VZERO() _mm512_setzero_ps()
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSET1(v) _mm512_set1_ps(v)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VSUM(v) _mm512_reduce_add_ps(v)
-static inline vf widen_i8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
+/* The vector layer of the int8 product: KS int16 lanes a step. W16 widens KS int8 of w, XL
+ * loads KS int16 of x, DPW adds the products of adjacent lane pairs into KS / 2 int32 lanes. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LANES 16
+#define KS 32
+typedef __m512i vi;
+#define W16(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define XL(p) _mm512_loadu_si512((const void *)(p))
+#define IZERO() _mm512_setzero_si512()
+#define ISUM(v) _mm512_reduce_add_epi32(v)
+#if defined(__AVX512VNNI__)
+#define DPW(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPW(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
-#define VL 8
-typedef __m256 vf;
-#define VZERO() _mm256_setzero_ps()
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSET1(v) _mm256_set1_ps(v)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-static inline float VSUM(vf v) {
+#define LANES 8
+#define KS 16
+typedef __m256i vi;
+#define W16(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define XL(p) _mm256_loadu_si256((const __m256i *)(p))
+#define IZERO() _mm256_setzero_si256()
+#define DPW(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+static inline int ISUM(vi v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-static inline vf widen_i8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
 #else
-#define VL 1
-typedef float vf;
-#define VZERO() 0.0f
-#define VLOAD(p) (*(p))
-#define VSET1(v) (v)
-#define VFMA(a, b, c) ((a) * (b) + (c))
-#define VSUM(v) (v)
-static inline vf widen_i8(const int8_t *p) { return (float)*p; }
+#define LANES 1
+#define KS 1
+typedef int32_t vi;
+#define W16(p) ((int32_t) * (p))
+#define XL(p) ((int32_t) * (p))
+#define IZERO() 0
+#define ISUM(v) (v)
+#define DPW(acc, a, b) ((acc) + (a) * (b))
 #endif
+/* steps summed in int32 before float32: each adds at most 2 * 127 * 32767 to a lane */
+#define CHUNK 128
 
 /* Which vector path this build took: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (scalar C). */
-int weft_gemv_lanes(void) { return VL; }
+int weft_gemv_lanes(void) { return LANES; }
 
 static float *widen_x(const uint16_t *x, int m, int k) {
     float *xf = malloc((size_t)m * k * sizeof(float));
@@ -92,63 +102,86 @@ static float *widen_x(const uint16_t *x, int m, int k) {
     return xf;
 }
 
-/* NR rows of w (n .. n+NR-1) against M rows of x: NR * M independent accumulators. */
+/* A row of x -> its int16 scale: max |x| / 32767 (1 for a row of zeros). */
+static float x16_scale(const float *row, int K) {
+    float peak = 0.0f;
+    for (int k = 0; k < K; k++) {
+        float a = row[k] < 0.0f ? -row[k] : row[k];
+        peak = a > peak ? a : peak;
+    }
+    return peak > 0.0f ? peak / 32767.0f : 1.0f;
+}
+
+/* --- int8 --------------------------------------------------------------------------------
+ * Row n of the output: scale[n] * xs * (q . xq), q . xq in int32 lanes CHUNK steps at a time.
+ * NR rows of w (n .. n+NR-1) against M rows of x: NR * M accumulators. */
 static inline __attribute__((always_inline)) void int8_rows(
-    const float *xf, int M, int NR, int K, const int8_t *w, const uint16_t *scale, uint16_t *out,
-    int N, int n) {
-    vf acc[4][MAX_M];
-#pragma GCC unroll 4
+    const int16_t *xq, const float *xs, const float *xf, int M, int NR, int K, const int8_t *w,
+    const uint16_t *scale, uint16_t *out, int N, int n) {
+    float sums[4][MAX_M];
     for (int r = 0; r < NR; r++)
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++) acc[r][m] = VZERO();
+        for (int m = 0; m < M; m++) sums[r][m] = 0.0f;
     const int8_t *row = w + (int64_t)n * K;
     int k = 0;
-    for (; k + VL <= K; k += VL) {
-        vf xv[MAX_M];
-        /* NOTE: rows shorter than a few KB (896 bytes in a 0.5B model) end before the
-         * hardware prefetcher ramps up: fetching the next block of rows ahead streams the
-         * weight at ~28 GB/s on 2 Zen 4 cores instead of ~13 */
-        PREFETCH(row + NR * (int64_t)K + NR * (int64_t)k);
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++) xv[m] = VLOAD(xf + (int64_t)m * K + k);
+    while (k + KS <= K) {
+        vi d[4][MAX_M];
 #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) {
-            vf wv = widen_i8(row + (int64_t)r * K + k);
+        for (int r = 0; r < NR; r++)
 #pragma GCC unroll 8
-            for (int m = 0; m < M; m++) acc[r][m] = VFMA(wv, xv[m], acc[r][m]);
+            for (int m = 0; m < M; m++) d[r][m] = IZERO();
+        int end = k + CHUNK * KS < K - KS + 1 ? k + CHUNK * KS : K - KS + 1;
+        for (; k < end; k += KS) {
+            /* NOTE: rows shorter than a few KB (896 bytes in a 0.5B model) end before the
+             * hardware prefetcher ramps up: fetching the next block of rows ahead, as fast as
+             * this one is read, streams the weight at ~28 GB/s on 2 Zen 4 cores, not ~13 */
+            PREFETCH(row + NR * (int64_t)K + NR * (int64_t)k);
+            if (KS * NR > 64) PREFETCH(row + NR * (int64_t)K + NR * (int64_t)k + 64);
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                vi wv = W16(row + (int64_t)r * K + k);
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) d[r][m] = DPW(d[r][m], wv, XL(xq + (int64_t)m * K + k));
+            }
         }
+        for (int r = 0; r < NR; r++)
+            for (int m = 0; m < M; m++) sums[r][m] += (float)ISUM(d[r][m]);
     }
     for (int r = 0; r < NR; r++) {
         float s = bf16_to_f32(scale[n + r]);
         for (int m = 0; m < M; m++) {
-            float sum = VSUM(acc[r][m]);
-            for (int t = k; t < K; t++) sum += (float)row[(int64_t)r * K + t] * xf[(int64_t)m * K + t];
-            out[(int64_t)m * N + n + r] = f32_to_bf16(sum * s);
+            float tail = 0.0f;  /* the last K % KS columns, in float32 */
+            for (int t = k; t < K; t++) tail += (float)row[(int64_t)r * K + t] * xf[(int64_t)m * K + t];
+            out[(int64_t)m * N + n + r] = f32_to_bf16((sums[r][m] * xs[m] + tail) * s);
         }
     }
 }
 
-/* Rows lo .. hi of w, NR at a time (4 for up to 4 rows of x; 2 above, as 4 * 8 accumulators
- * would not fit the registers). */
+/* Rows lo .. hi of w, NR at a time: 4 for up to 4 rows of x, 2 above (4 * 8 accumulators would
+ * not fit the registers); the last N % 4 rows one at a time. */
 static inline __attribute__((always_inline)) void int8_block(
-    const float *xf, int M, int K, const int8_t *w, const uint16_t *scale, uint16_t *out,
-    int N, int lo, int hi) {
+    const int16_t *xq, const float *xs, const float *xf, int M, int K, const int8_t *w,
+    const uint16_t *scale, uint16_t *out, int N, int lo, int hi) {
     const int NR = M <= 4 ? 4 : 2;
     int n = lo;
-    for (; n + NR <= hi; n += NR) int8_rows(xf, M, NR, K, w, scale, out, N, n);
-    for (; n < hi; n++)  /* the last N % 4 rows */
-        for (int m = 0; m < M; m++) {
-            float sum = 0.0f;
-            for (int k = 0; k < K; k++) sum += (float)w[(int64_t)n * K + k] * xf[(int64_t)m * K + k];
-            out[(int64_t)m * N + n] = f32_to_bf16(sum * bf16_to_f32(scale[n]));
-        }
+    for (; n + NR <= hi; n += NR) int8_rows(xq, xs, xf, M, NR, K, w, scale, out, N, n);
+    for (; n < hi; n++) int8_rows(xq, xs, xf, M, 1, K, w, scale, out, N, n);
 }
 
 /* 1 <= M <= MAX_M, on `threads` OpenMP threads. Returns 0, or -1 when out of memory. */
 int weft_gemv_int8(const uint16_t *x, int M, int K, const int8_t *w, const uint16_t *scale,
                    uint16_t *out, int N, int threads) {
-    float *xf = widen_x(x, M, K);
-    if (!xf) return -1;
+    float *xf = widen_x(x, M, K), xs[MAX_M];
+    int16_t *xq = malloc((size_t)M * K * sizeof(int16_t));
+    if (!xf || !xq) {
+        free(xf);
+        free(xq);
+        return -1;
+    }
+    for (int m = 0; m < M; m++) {
+        xs[m] = x16_scale(xf + (int64_t)m * K, K);
+        for (int k = 0; k < K; k++)
+            xq[(int64_t)m * K + k] = (int16_t)__builtin_lrintf(xf[(int64_t)m * K + k] / xs[m]);
+    }
     int blocks = N / 4;
 #pragma omp parallel num_threads(threads)
     {
@@ -160,21 +193,21 @@ int weft_gemv_int8(const uint16_t *x, int M, int K, const int8_t *w, const uint1
 #endif
         int lo = 4 * (int)((int64_t)blocks * t / nt), hi = 4 * (int)((int64_t)blocks * (t + 1) / nt);
         if (t == nt - 1) hi = N;
-        switch (M) {  /* NOTE: constant M per call, so each inlined copy keeps acc in registers */
-            case 1: int8_block(xf, 1, K, w, scale, out, N, lo, hi); break;
-            case 2: int8_block(xf, 2, K, w, scale, out, N, lo, hi); break;
-            case 3: int8_block(xf, 3, K, w, scale, out, N, lo, hi); break;
-            case 4: int8_block(xf, 4, K, w, scale, out, N, lo, hi); break;
-            case 5: int8_block(xf, 5, K, w, scale, out, N, lo, hi); break;
-            case 6: int8_block(xf, 6, K, w, scale, out, N, lo, hi); break;
-            case 7: int8_block(xf, 7, K, w, scale, out, N, lo, hi); break;
-            default: int8_block(xf, 8, K, w, scale, out, N, lo, hi); break;
+        switch (M) {  /* NOTE: constant M per call, so each inlined copy keeps d in registers */
+            case 1: int8_block(xq, xs, xf, 1, K, w, scale, out, N, lo, hi); break;
+            case 2: int8_block(xq, xs, xf, 2, K, w, scale, out, N, lo, hi); break;
+            case 3: int8_block(xq, xs, xf, 3, K, w, scale, out, N, lo, hi); break;
+            case 4: int8_block(xq, xs, xf, 4, K, w, scale, out, N, lo, hi); break;
+            case 5: int8_block(xq, xs, xf, 5, K, w, scale, out, N, lo, hi); break;
+            case 6: int8_block(xq, xs, xf, 6, K, w, scale, out, N, lo, hi); break;
+            case 7: int8_block(xq, xs, xf, 7, K, w, scale, out, N, lo, hi); break;
+            default: int8_block(xq, xs, xf, 8, K, w, scale, out, N, lo, hi); break;
         }
     }
     free(xf);
+    free(xq);
     return 0;
 }
-
 
 /* --- int4 --------------------------------------------------------------------------------
  * Per group g of row n: sum_k x_k (q_k s + o) = s * (x . q) + o * sum_g(x). With x = xs * xq
@@ -270,7 +303,7 @@ static inline __attribute__((always_inline)) void int4_rows2(
         }
     }
     for (int r = 0; r < 2; r++)
-        for (int m = 0; m < M; m++) sums[r][m] = VSUM(acc[r][m]) + off[r][m];
+        for (int m = 0; m < M; m++) sums[r][m] = hsum256(acc[r][m]) + off[r][m];
 }
 
 #else
@@ -317,10 +350,7 @@ static void widen_x16(const float *xf, int M, int K, int16_t *xq, float *xs, flo
     int G = K / GROUP;
     for (int m = 0; m < M; m++) {
         const float *row = xf + (int64_t)m * K;
-        float peak = 0.0f;
-        for (int k = 0; k < K; k++) peak = row[k] > peak ? row[k] : -row[k] > peak ? -row[k] : peak;
-        float scale = peak > 0.0f ? peak / 32767.0f : 1.0f;
-        xs[m] = scale;
+        float scale = xs[m] = x16_scale(row, K);
         int16_t *q = xq + (int64_t)m * K;
         for (int g = 0; g < G; g++) {
             float sum = 0.0f;
