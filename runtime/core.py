@@ -214,6 +214,9 @@ class ForwardBatch:
     # False where seq_lens_cpu only bounds the lengths (a CUDA graph's batch: the longest
     # possible request in every row), so no host decision may take them as the rows' own
     exact_lens: bool = True
+    # per request: its new tokens are output tokens only (a decode step, drafts to verify, a
+    # grammar's forced tokens), none of its prompt; empty: not known (one-off batches)
+    output_only_cpu: list[bool] = field(default_factory=list)
 
     def feed_pending(self, sampled_ids: torch.Tensor | None) -> None:
         """Copy the pending tokens into input_ids, on the device (queued behind the sampling

@@ -207,12 +207,9 @@ class ModelRunner:
         if config.quantized_prefill:
             for weight in quantized:
                 weight.drop_dense()
-        # weft's CPU kernels give a row the same bits in any step: decode and verify steps (up
-        # to decode_len new tokens a request) take them for every row (layers.QuantRows)
+        # weft's CPU kernels give a row the same bits in any step: the output tokens of decode,
+        # verify and forced-token steps take them whatever their count (layers.QuantRows)
         self.row_invariant = any(w.native is not None for w in quantized)
-        # NOTE: whether or not this server speculates (a verify step, or a grammar's forced
-        # tokens, adds at most speculative_num_draft_tokens to a request)
-        self.decode_len = 1 + config.speculative_num_draft_tokens
         self.kv_pool = KVPool(
             self._pool_size(),
             cfg.num_layers,
@@ -360,19 +357,18 @@ class ModelRunner:
             return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     def _decode_rows(self, batch: ForwardBatch) -> QuantRows | None:
-        """The step's tokens of requests that decode or verify drafts (at most decode_len new
-        tokens), for weft's CPU kernels (QuantRows); None where the weights are not theirs."""
-        if not self.row_invariant:
+        """The step's tokens of requests that add output tokens only (decode, drafts to
+        verify, forced tokens), for weft's CPU kernels (QuantRows); prompt tokens keep the
+        dense copy. None where the weights are not those kernels' or the batch does not say."""
+        flags = batch.output_only_cpu
+        if not self.row_invariant or not flags:
             return None
-        lens = batch.extend_lens_cpu
-        if max(lens) <= self.decode_len:
+        if all(flags):
             return QuantRows(len(batch.input_ids))
-        if min(lens) > self.decode_len:
-            return None
         rows: list[int] = []
         start = 0
-        for n in lens:
-            if n <= self.decode_len:
+        for n, output in zip(batch.extend_lens_cpu, flags, strict=True):
+            if output:
                 rows.extend(range(start, start + n))
             start += n
-        return QuantRows(start, torch.tensor(rows))
+        return QuantRows(start, torch.tensor(rows, dtype=torch.long))

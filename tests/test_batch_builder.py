@@ -48,3 +48,23 @@ def test_fields_hold_the_work_and_start_16_byte_aligned(lengths):
         "logits_indices",
     ):
         assert getattr(batch, name).data_ptr() % 16 == 0, name
+
+
+def test_output_only_marks_requests_past_their_prompts():
+    """A request adds output tokens only (a decode step, drafts, forced tokens) once its KV holds
+    the whole prompt; a prompt's tokens (a select's choices after a cached prefix too) do not."""
+    memory = _memory()
+    prompt = Req("prompt", [5] * 6, SamplingParams(max_new_tokens=4))
+    decoding = Req("decoding", [7] * 3, SamplingParams(max_new_tokens=4))
+    drafting = Req("drafting", [8] * 3, SamplingParams(max_new_tokens=4))
+    for req in (prompt, decoding, drafting):
+        memory.admit(req)
+    first, _ = build_batch([(decoding, 3), (drafting, 3)], memory, torch.device("cpu"))
+    assert first.output_only_cpu == [False, False]
+    for req in (decoding, drafting):
+        req.kv_len = 3
+        req.output_ids.append(9)
+    drafting.draft = [1, 2]
+    batch, _ = build_batch([(prompt, 6), (decoding, 1), (drafting, 3)], memory, torch.device("cpu"))
+    assert batch.extend_lens_cpu == [6, 1, 3]
+    assert batch.output_only_cpu == [False, True, True]

@@ -301,23 +301,32 @@ def test_decode_rows_get_the_bits_of_a_row_alone(tensors):
     assert torch.equal(mixed[rows], alone[rows]) and torch.equal(mixed[others], dense[others])
     with quant_rows(QuantRows(10)):  # another row count than the step's: not its rows
         assert torch.equal(weight.matmul(x, None), dense)
+    # prompt tokens take the dense copy however few: a prompt's last token computes alike in a
+    # step of its own and beside a long prefill
+    with quant_rows(QuantRows(1, torch.tensor([], dtype=torch.long))):
+        assert torch.equal(weight.matmul(x[:1], None), weight._dense(x[:1], None))
+    assert torch.equal(weight.matmul(x[:1], None), alone[:1])  # undescribed: few rows quantized
 
 
 def test_decode_rows_of_a_step():
-    """The model runner's choice: tokens of requests that add at most decode_len tokens."""
+    """The model runner's choice: the tokens of requests that add output tokens only."""
     from types import SimpleNamespace
 
     from weft.runtime.model_runner import ModelRunner
 
-    runner = SimpleNamespace(row_invariant=True, decode_len=9)
+    runner = SimpleNamespace(row_invariant=True)
 
-    def rows(lens: list[int]) -> object:
-        batch = SimpleNamespace(extend_lens_cpu=lens, input_ids=torch.zeros(sum(lens)))
+    def rows(lens: list[int], output_only: list[bool]) -> object:
+        batch = SimpleNamespace(
+            extend_lens_cpu=lens, output_only_cpu=output_only, input_ids=torch.zeros(sum(lens))
+        )
         return ModelRunner._decode_rows(runner, batch)  # type: ignore[arg-type]
 
-    assert rows([1, 9, 1]) == QuantRows(11)
-    assert rows([10, 30]) is None
-    mixed = rows([1, 30, 3])
+    assert rows([1, 9, 1], [True] * 3) == QuantRows(11)
+    prompts = rows([3, 30], [False, False])  # a select's choices among them
+    assert prompts.total == 33 and prompts.rows.tolist() == []
+    mixed = rows([1, 30, 3], [True, False, True])
     assert mixed.total == 34 and mixed.rows.tolist() == [0, 31, 32, 33]
+    assert rows([1, 1], []) is None  # a batch that does not say
     runner.row_invariant = False  # torch's kernels: the step's row count decides
-    assert rows([1, 9, 1]) is None
+    assert rows([1, 9, 1], [True] * 3) is None

@@ -77,14 +77,16 @@ class QuantRows:
     kernels, the others with the dense copy: `rows` None for all of them.
 
     NOTE: weft's CPU kernels give each row the same bits whatever rows come with it; the dense
-    copy's GEMM rounds otherwise. The model runner sends the tokens of decode and verify steps
-    through the quantized kernels whatever their count, so that a greedy token does not depend
-    on the batch it decodes in, nor on whether its request speculates (a verify step of 9 rows
-    must compute what 9 decode steps would).
+    copy's GEMM rounds otherwise. The model runner sends output tokens (decode steps, drafts to
+    verify, a grammar's forced tokens) through the quantized kernels whatever their count, so
+    that a greedy token does not depend on the batch it decodes in, nor on whether its request
+    speculates (a verify step of 9 rows must compute what 9 decode steps would); and prompt
+    tokens through the dense copy whatever their count, so that a prompt's last token, or a
+    select's choice, computes alike in a step of its own and in a long prefill beside others.
     """
 
     total: int  # T: a linear of another row count (none in the models now) keeps the default
-    rows: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # empty: every row takes the dense copy
 
 
 _QUANT_ROWS: contextvars.ContextVar[QuantRows | None] = contextvars.ContextVar(
@@ -168,15 +170,19 @@ class QuantWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
-        if self.dense is None or x.shape[0] <= QUANT_MAX_ROWS:
+        if self.dense is None:
             return self._quantized(x, bias)
         choice = _QUANT_ROWS.get() if self.native is not None else None
         if choice is None or choice.total != x.shape[0]:
+            # a step nobody described: its row count decides
+            if x.shape[0] <= QUANT_MAX_ROWS:
+                return self._quantized(x, bias)
             return self._dense(x, bias)
         if choice.rows is None:
             return self._quantized(x, bias)
-        out = self._dense(x, bias)  # NOTE: a mixed step: few decode rows beside a prefill chunk
-        out[choice.rows] = self._quantized(x[choice.rows], bias)
+        out = self._dense(x, bias)
+        if len(choice.rows):  # NOTE: a mixed step: decode rows beside prompt tokens
+            out[choice.rows] = self._quantized(x[choice.rows], bias)
         return out
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -45,6 +45,7 @@ def build_batch(
     seq_lens: list[int] = []
     prefix_lens: list[int] = []
     ext_lens: list[int] = []
+    output_only: list[bool] = []
     logits_rows: list[int] = []
     plans = []
     future_at: list[int] = []  # positions in ids of pending tokens ...
@@ -70,6 +71,7 @@ def build_batch(
         seq_lens.append(start + n)
         prefix_lens.append(start)
         ext_lens.append(n)
+        output_only.append(start >= len(req.input_ids))
         plan = RowPlan(req, n, draft=list(draft))
         base = len(ids) - n
         for q in _scored_positions(req, start, n):
@@ -124,6 +126,7 @@ def build_batch(
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=prefix_lens,
         extend_lens_cpu=ext_lens,
+        output_only_cpu=output_only,
     )
     memory.req_to_token.scatter(dev["token_rows"], batch.positions, loc)
     if future_at:
