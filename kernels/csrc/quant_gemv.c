@@ -95,6 +95,20 @@ typedef int32_t vi;
 /* Which vector path this build took: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (scalar C). */
 int weft_gemv_lanes(void) { return LANES; }
 
+/* The calling OpenMP thread's outputs [lo, hi) of n, in whole steps (the last thread takes the
+   rest). */
+static void thread_share(int n, int step, int *lo, int *hi) {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void), omp_get_num_threads(void);
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    int t = 0, nt = 1;
+#endif
+    int64_t units = n / step;
+    *lo = step * (int)(units * t / nt);
+    *hi = t == nt - 1 ? n : step * (int)(units * (t + 1) / nt);
+}
+
 static float *widen_x(const uint16_t *x, int m, int k) {
     float *xf = malloc((size_t)m * k * sizeof(float));
     if (xf)
@@ -182,17 +196,10 @@ int weft_gemv_int8(const uint16_t *x, int M, int K, const int8_t *w, const uint1
         for (int k = 0; k < K; k++)
             xq[(int64_t)m * K + k] = (int16_t)__builtin_lrintf(xf[(int64_t)m * K + k] / xs[m]);
     }
-    int blocks = N / 4;
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void), omp_get_num_threads(void);
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int t = 0, nt = 1;
-#endif
-        int lo = 4 * (int)((int64_t)blocks * t / nt), hi = 4 * (int)((int64_t)blocks * (t + 1) / nt);
-        if (t == nt - 1) hi = N;
+        int lo, hi;
+        thread_share(N, 4, &lo, &hi);
         switch (M) {  /* NOTE: constant M per call, so each inlined copy keeps d in registers */
             case 1: int8_block(xq, xs, xf, 1, K, w, scale, out, N, lo, hi); break;
             case 2: int8_block(xq, xs, xf, 2, K, w, scale, out, N, lo, hi); break;
@@ -403,16 +410,10 @@ int weft_gemv_int4(const uint16_t *x, int M, int K, const uint8_t *w, const uint
         return -1;
     }
     widen_x16(xf, M, K, xq, xs, xsv);
-    int pairs = N / 2;
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void), omp_get_num_threads(void);
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int t = 0, nt = 1;
-#endif
-        int lo = 2 * (int)((int64_t)pairs * t / nt), hi = 2 * (int)((int64_t)pairs * (t + 1) / nt);
+        int lo, hi;
+        thread_share(N, 2, &lo, &hi);
         switch (M) {
             case 1: int4_block(xf, xq, xs, xsv, 1, K, w, so, out, N, lo, hi); break;
             case 2: int4_block(xf, xq, xs, xsv, 2, K, w, so, out, N, lo, hi); break;
