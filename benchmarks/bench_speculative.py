@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from weft import Engine
+from weft.runtime.config import EngineConfig
 
 from common import describe_device
 
@@ -242,7 +243,12 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--workload", nargs="+", default=["code", "json", "miss"])
-    p.add_argument("--draft-tokens", type=int, nargs="+", default=[8])
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        nargs="+",
+        default=[EngineConfig().speculative_num_draft_tokens],
+    )
     p.add_argument("--speculative-algorithm", choices=["ngram", "draft"], default="ngram")
     p.add_argument(
         "--speculative-draft-model-path",

@@ -163,8 +163,10 @@ class EngineConfig:
         "with speculative_algorithm draft: the draft model (HF folder or .gguf file, loaded as "
         "the model is, dummy weights included), of the model's vocabulary and end tokens",
     )
+    # NOTE: 7: a verify step of 1 + 7 rows is one pass of weft's CPU kernels over the weights
+    # (kernels/cpu_gemv.MAX_ROWS); 1 + 8 took two (code editing 2.84x vs 2.66x, RESULTS.md)
     speculative_num_draft_tokens: int = option(
-        8, "most draft tokens a request verifies in one forward (speculative decoding)"
+        7, "most draft tokens a request verifies in one forward (speculative decoding)"
     )
     profile_steps: bool = option(
         False,

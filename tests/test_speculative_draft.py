@@ -33,7 +33,7 @@ from weft.runtime.config import EngineConfig
 
 from conftest import make_engine
 
-DRAFT_TOKENS = 8  # speculative_num_draft_tokens' default
+DRAFT_TOKENS = EngineConfig().speculative_num_draft_tokens  # the default
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {
