@@ -223,9 +223,11 @@ int weft_gemv_int8(const uint16_t *x, int M, int K, const int8_t *w, const uint1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* Two groups a step: 32 bytes widen to 32 int16 lanes [g: bytes 0-15 | g+1: bytes 0-15], whose
  * low nibbles are k 0-15 and high nibbles k 16-31 of each group; xq is stored in that order
- * (per pair: 32 x of the low nibbles, then 32 of the high ones) and xsv holds, per pair, 16
- * lanes of sum_g(x) / (8 xs): 8 lanes for g, 8 for g + 1, as the int32 lanes of the products. */
+ * (per pair: 32 x of the low nibbles, then 32 of the high ones). The offsets' term is summed
+ * apart, 16 groups an FMA: xsv holds sum_g(x) / xs per row, XSV_STRIDE floats a row (0 past
+ * the pairs' groups: an odd last group is int4_tail's). */
 #define I4_STEP 2
+#define XSV_STRIDE(G) (((G) + 15) / 16 * 16)  /* whole vectors of 16 groups */
 #if defined(__AVX512VNNI__)
 #define DPW(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
@@ -237,7 +239,6 @@ static inline __attribute__((always_inline)) void int4_rows2(
     float sums[2][MAX_M], int n) {
     int G = K / GROUP, P = G / 2;
     const __m512i idx_s = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i idx_o = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512i low4 = _mm512_set1_epi16(15);
     __m512 acc[2][MAX_M];
 #pragma GCC unroll 2
@@ -254,16 +255,28 @@ static inline __attribute__((always_inline)) void int4_rows2(
             __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi16(b, 4);
             __m128i raw = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(so + at * 2)));
             __m512 so4 = _mm512_castps128_ps512(_mm_castsi128_ps(_mm_slli_epi32(raw, 16)));
-            __m512 sv = _mm512_permutexvar_ps(idx_s, so4), ov = _mm512_permutexvar_ps(idx_o, so4);
+            __m512 sv = _mm512_permutexvar_ps(idx_s, so4);
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
                 const int16_t *xp = xq + (int64_t)m * K + (int64_t)p * 64;
                 __m512i d = DPW(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp));
                 d = DPW(d, hi, _mm512_loadu_si512(xp + 32));
                 acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[r][m]);
-                acc[r][m] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(xsv + ((int64_t)m * P + p) * 16),
-                                            acc[r][m]);
             }
+        }
+    }
+    /* the offsets: (scale, offset) bf16 pairs are 32-bit lanes whose high half is the offset */
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int g = 0; g < G; g += 16) {
+        __mmask16 live = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            __m512i pairs = _mm512_maskz_loadu_epi32(live, so + ((int64_t)(n + r) * G + g) * 2);
+            __m512 off = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++)
+                acc[r][m] = _mm512_fmadd_ps(off, _mm512_loadu_ps(xsv + (int64_t)m * XSV_STRIDE(G) + g),
+                                            acc[r][m]);
         }
     }
     for (int r = 0; r < 2; r++)
@@ -273,6 +286,7 @@ static inline __attribute__((always_inline)) void int4_rows2(
 #elif defined(__AVX2__) && defined(__FMA__)
 /* One group a step: 16 bytes widen to 16 int16 lanes; xq in x's order, xsv[g] = sum_g(x) / xs. */
 #define I4_STEP 1
+#define XSV_STRIDE(G) (G)
 
 static inline __attribute__((always_inline)) void int4_rows2(
     const int16_t *xq, const float *xsv, int M, int K, const uint8_t *w, const uint16_t *so,
@@ -315,6 +329,7 @@ static inline __attribute__((always_inline)) void int4_rows2(
 
 #else
 #define I4_STEP 1
+#define XSV_STRIDE(G) (G)
 
 static inline void int4_rows2(const int16_t *xq, const float *xsv, int M, int K,
                               const uint8_t *w, const uint16_t *so, float sums[2][MAX_M], int n) {
@@ -370,7 +385,7 @@ static void widen_x16(const float *xf, int M, int K, int16_t *xq, float *xs, flo
                     q[p * 64 + 32 + half * 16 + i] =
                         (int16_t)__builtin_lrintf(row[g * GROUP + 16 + i] / scale);
                 }
-                for (int i = 0; i < 8; i++) xsv[((int64_t)m * (G / 2) + p) * 16 + half * 8 + i] = sum / (8.0f * scale);
+                xsv[(int64_t)m * XSV_STRIDE(G) + g] = sum / scale;
             }
 #else
             for (int i = 0; i < GROUP; i++)
@@ -402,7 +417,7 @@ int weft_gemv_int4(const uint16_t *x, int M, int K, const uint8_t *w, const uint
     int G = K / GROUP;
     float *xf = widen_x(x, M, K), xs[MAX_M];
     int16_t *xq = malloc((size_t)M * K * sizeof(int16_t));
-    float *xsv = malloc((size_t)M * G * 8 * sizeof(float));
+    float *xsv = calloc((size_t)M * XSV_STRIDE(G), sizeof(float));  /* 0: groups no pair has */
     if (!xf || !xq || !xsv) {
         free(xf);
         free(xq);
