@@ -84,6 +84,42 @@ def test_ngram_index_grows_with_the_output():
     assert index.propose(req, [], 4) == [7, 5, 6]
 
 
+def test_ngram_index_takes_a_token_that_occurred_once():
+    """Where no 2-token suffix matches, a last token that occurred exactly once before drafts
+    what followed it (a name the output copies after a context the text does not have)."""
+    index = NgramIndex()
+    req = _req([3, 41, 42, 43, 9, 3, 5], [1, 41])
+    index.update(req)
+    assert index.propose(req, [], 3) == []
+    assert index.propose_unique(req, [], 3) == [42, 43, 9]
+    assert index.propose_unique(req, [3], 3) == []  # 3 occurred twice
+    req.output_ids += [42, 7]
+    index.update(req)
+    assert index.propose_unique(req, [], 3) == []  # 7 never occurred before
+
+
+def test_a_unique_token_draft_rejected_whole_changes_nothing():
+    """A draft after a single earlier token only fills a step that had none: rejected whole, it
+    neither shortens the next draft nor backs off; kept, it counts as any draft."""
+    from weft.runtime.config import EngineConfig
+    from weft.runtime.scheduler.speculative import Speculation, Speculative
+
+    class Memory:
+        def truncate(self, req, kv_len):
+            pass
+
+    speculative = Speculative(EngineConfig(speculative_algorithm="ngram"), Memory(), None)
+    req = _req([3, 41, 42, 43, 9, 3, 5], [1, 41])
+    req.spec = spec = Speculation(limit=4)
+    draft = speculative._ngram(req, 4)
+    assert draft == [42, 43, 9, 3] and spec.unique
+    assert speculative.take_draft(req, draft, [0] * 5) == 0
+    assert (spec.limit, spec.misses, spec.skip) == (4, 0, 0)
+    assert (spec.verify_ct, spec.draft_tokens, spec.accepted_tokens) == (1, 4, 0)
+    assert speculative.take_draft(req, draft, [42, 0, 0, 0, 0]) == 1
+    assert spec.limit == 2  # kept 1: at most one more, as after any draft
+
+
 def test_drafts_shrink_to_what_is_kept_and_back_off_after_misses():
     from weft.runtime.config import EngineConfig
     from weft.runtime.scheduler.speculative import Speculation, Speculative

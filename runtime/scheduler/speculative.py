@@ -42,6 +42,10 @@ from weft.runtime.scheduler.output_processor import OutputProcessor
 # does not repeat: benchmarks/RESULTS.md); past 4, the latest match seldom changes.
 NGRAM_MIN = 2
 NGRAM_MAX = 4
+# Where no suffix of NGRAM_MIN tokens matches, a last token that occurred exactly once before
+# drafts what followed it (a name or number the output copies after a context the text never
+# had: a JSON value's first token after `": "`). Such a draft rejected whole changes neither
+# the draft length nor the back-off: it only ever fills a step that had no draft.
 # A request whose draft the model rejected whole goes 1, 2, 4 ... (consecutive such misses, up
 # to this) tokens without a draft: a text that does not repeat costs a verify step now and then.
 MAX_MISS_BACKOFF = 16
@@ -58,6 +62,8 @@ class NgramIndex:
 
     def __init__(self) -> None:
         self.after: dict[tuple[int, ...], int] = {}
+        self.after_one: dict[int, int] = {}  # single tokens: where last, and how often
+        self.count_one: dict[int, int] = {}
         self.indexed = 0  # positions < indexed are in `after` as continuations
 
     def update(self, req: Req) -> None:
@@ -68,8 +74,11 @@ class NgramIndex:
             return
         lo = max(self.indexed - NGRAM_MAX, 0)
         window = req.tokens(lo, end)
-        for pos in range(max(self.indexed, NGRAM_MIN), end):
+        for pos in range(max(self.indexed, 1), end):
             at = pos - lo
+            token = window[at - 1]
+            self.after_one[token] = pos
+            self.count_one[token] = self.count_one.get(token, 0) + 1
             for n in range(NGRAM_MIN, min(NGRAM_MAX, pos) + 1):
                 self.after[tuple(window[at - n : at])] = pos
         self.indexed = end
@@ -85,6 +94,16 @@ class NgramIndex:
                 return req.tokens(pos, min(pos + limit, end))
         return []
 
+    def propose_unique(self, req: Req, tail: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the last token of fill_ids + tail where it
+        occurred once before ([] where it occurred never or more often)."""
+        end = len(req.input_ids) + len(req.output_ids)
+        last = tail[-1] if tail else req.tokens(end - 1, end)[0]
+        if self.count_one.get(last) != 1:
+            return []
+        pos = self.after_one[last]
+        return req.tokens(pos, min(pos + limit, end))
+
 
 @dataclasses.dataclass
 class Speculation:
@@ -93,6 +112,7 @@ class Speculation:
     limit: int  # drafted tokens the next draft may have (adapts to what was kept)
     index: NgramIndex = dataclasses.field(default_factory=NgramIndex)
     forced: int = 0  # leading tokens of the request's draft that its grammar forces
+    unique: bool = False  # the drafter's tokens follow a single earlier token (propose_unique)
     proposed: int = 0  # the drafter's tokens after them (before the grammar's cut)
     # the draft model's tokens once its token is on the host (drafting now is wasted: the step
     # under way feeds that token without a draft); admission sits the request out for them
@@ -181,6 +201,7 @@ class Speculative:
             spec = req.spec = Speculation(limit=self.config.speculative_num_draft_tokens)
         spec.forced = len(req.draft)
         spec.proposed = spec.deferred = 0
+        spec.unique = False
         if spec.skip > 0:
             spec.skip -= 1
             return 0
@@ -192,7 +213,11 @@ class Speculative:
     def _ngram(req: Req, limit: int) -> list[int]:
         spec = req.spec
         spec.index.update(req)
-        return spec.index.propose(req, req.draft, limit)
+        draft = spec.index.propose(req, req.draft, limit)
+        if not draft:
+            draft = spec.index.propose_unique(req, req.draft, limit)
+            spec.unique = bool(draft)
+        return draft
 
     def forget(self, req: Req) -> None:
         """The request is done, aborted or retracted: the draft model frees its KV of it."""
@@ -217,7 +242,7 @@ class Speculative:
         # of the draft model (n-gram drafts cost nothing until verified)
         if self.config.speculative_algorithm == "draft" and spec.proposed > 0:
             self._adapt(spec, spec.proposed, kept)
-        elif drafted > 0:
+        elif drafted > 0 and not (spec.unique and kept == 0):
             self._adapt(spec, drafted, kept)
         return taken
 
