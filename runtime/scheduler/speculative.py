@@ -20,7 +20,8 @@ uniform per sampled row, so its seed picks another sample than without speculati
 Draft sources, in order: the grammar's forced tokens (jump-forward, `Constrained._draft`), then
 the drafter of speculative_algorithm: ngram, what the text repeats (the tokens that followed the
 latest earlier occurrence of the request's last NGRAM_MAX .. NGRAM_MIN tokens in its prompt and
-output, `NgramIndex`); draft, a small model of the same tokenizer (`draft_model.DraftModel`).
+output, or else of its last token where that occurred once, `NgramIndex`); draft, a small model
+of the same tokenizer (`draft_model.DraftModel`).
 The draft model drafts greedily (argmax), so its drafts are deterministic too: q is a point mass
 and the proof above holds as it stands. (A sampled draft would need the general rule, p and q
 at every drafted position.)
@@ -56,14 +57,13 @@ MIN_DRAFT = 2
 
 
 class NgramIndex:
-    """Where each n-gram (NGRAM_MIN .. NGRAM_MAX tokens) of a request's tokens last occurred, as
-    the position after it. Kept up with the tokens: each new token adds its n-grams, O(1) per
-    token (the prompt's once)."""
+    """Where each n-gram (1 .. NGRAM_MAX tokens) of a request's tokens last occurred, as the
+    position after it, and how often each single token did. Kept up with the tokens: each new
+    token adds its n-grams, O(1) per token (the prompt's once)."""
 
     def __init__(self) -> None:
-        self.after: dict[tuple[int, ...], int] = {}
-        self.after_one: dict[int, int] = {}  # single tokens: where last, and how often
-        self.count_one: dict[int, int] = {}
+        self.after: dict[tuple[int, ...], int] = {}  # single tokens too (propose_unique)
+        self.count_one: dict[int, int] = {}  # how often each token occurred (followed)
         self.indexed = 0  # positions < indexed are in `after` as continuations
 
     def update(self, req: Req) -> None:
@@ -77,9 +77,8 @@ class NgramIndex:
         for pos in range(max(self.indexed, 1), end):
             at = pos - lo
             token = window[at - 1]
-            self.after_one[token] = pos
             self.count_one[token] = self.count_one.get(token, 0) + 1
-            for n in range(NGRAM_MIN, min(NGRAM_MAX, pos) + 1):
+            for n in range(1, min(NGRAM_MAX, pos) + 1):
                 self.after[tuple(window[at - n : at])] = pos
         self.indexed = end
 
@@ -101,7 +100,7 @@ class NgramIndex:
         last = tail[-1] if tail else req.tokens(end - 1, end)[0]
         if self.count_one.get(last) != 1:
             return []
-        pos = self.after_one[last]
+        pos = self.after[(last,)]
         return req.tokens(pos, min(pos + limit, end))
 
 
