@@ -9,8 +9,9 @@
     fused_moe          mixture-of-experts MLP: grouped GEMMs over the tokens of each expert
     moe_routing        its top-k softmax and the grouping of tokens by expert (padded blocks)
 
-and one in C for CPUs: cpu_gemv (csrc/quant_gemv.c), the int8 / int4 weight-only products of
-decode, compiled for the processor on first use.
+and weft's C for CPUs (csrc/, built for the processor on first use by cpu_native): the int8 / int4
+weight-only products of decode (quant_gemv.c; forms and torch twins in cpu_gemv) and attention
+over the paged KV cache (attention.c), each row's bits independent of the rows beside it.
 
 Import the modules themselves (`from weft.kernels.rmsnorm import rmsnorm`): this package imports
 nothing, so `import weft.kernels` works where Triton is not installed.

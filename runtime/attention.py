@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from weft.kernels.cpu_native import NativeCPU, RowSlots
 from weft.runtime.core import ForwardBatch
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool, dequantize_kv
 
@@ -86,13 +87,31 @@ class TorchAttention(AttentionBackend):
     A decode step gathers only a window's last W positions (`_decode_view`); an extend step's
     window becomes a boolean mask (built once per step and window). Soft-capping, which SDPA
     lacks, runs the same attention in plain torch ops (`_attend`).
+
+    With weft's CPU kernels (`native`, a bfloat16 or float32 pool), every row attends in weft's
+    C instead (`NativeCPU.attention`): a token gets the same bits whether it is decoded alone or
+    in a batch, verified among drafts, or computed in a prompt after a cached prefix, in a chunk
+    or whole; SDPA's paths for those shapes sum in other orders. (It is also faster here: a
+    512-token prompt's causal attention 16 vs 17 ms a layer, a decode row at 512 tokens of
+    context 0.06 vs 0.44 ms; RESULTS.md.)
     """
+
+    def __init__(
+        self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, native: NativeCPU | None = None
+    ) -> None:
+        super().__init__(kv_pool, req_to_token)
+        assert native is None or kv_pool.dtype in (torch.bfloat16, torch.float32)
+        self.native = native
 
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.req_to_token
         # decode: window (None: whole context) -> (slots [B, L], keep [B, 1, 1, L] or None)
         self._decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._window_masks: dict[int, list[torch.Tensor]] = {}  # extend: window -> [ext, seq]s
+        self._row_slots: dict[int | None, RowSlots] = {}  # native: window -> the rows' keys
+        if self.native is not None:
+            self._row_slots[None] = _row_slots(batch, table)
+            return
         if batch.is_decode:
             return
         self._per_req = []
@@ -104,6 +123,32 @@ class TorchAttention(AttentionBackend):
             if prefix > 0 and ext > 1:
                 mask = _visible(prefix, seq, None, table.device)  # [ext, seq]
             self._per_req.append((slots, ext, prefix, mask))
+
+    def _native_slots(self, window: int | None) -> RowSlots:
+        """The native rows' keys under a window (lo = len - W: query p sees p - j < W)."""
+        slots = self._row_slots.get(window)
+        if slots is None:
+            assert window is not None  # the whole context's entry is built in prepare
+            whole = self._row_slots[None]
+            lo = (whole.lens - window).clamp(min=0).to(torch.int32)
+            slots = self._row_slots[window] = RowSlots(whole.table, whole.rows, lo, whole.lens)
+        return slots
+
+    def _attend_native(
+        self, q: torch.Tensor, layer: int, options: AttentionOptions
+    ) -> torch.Tensor:
+        """q [N, Hq, D] of the native rows -> [N, Hq * D] in q's dtype."""
+        assert self.native is not None
+        scale = q.shape[-1] ** -0.5 if options.scale is None else options.scale
+        out = self.native.attention(
+            q,
+            self.kv_pool.k_buffers[layer],
+            self.kv_pool.v_buffers[layer],
+            self._native_slots(options.sliding_window),
+            scale=scale,
+            logit_cap=options.logit_cap,
+        )
+        return out.to(q.dtype).view(q.shape[0], -1)
 
     def _decode_view(
         self, window: int | None, batch: ForwardBatch
@@ -169,6 +214,8 @@ class TorchAttention(AttentionBackend):
         k_scale, v_scale = pool.scales.k[layer], pool.scales.v[layer]
         num_tokens, num_heads, head_dim = q.shape
         window, cap, scale = options.sliding_window, options.logit_cap, options.scale
+        if self.native is not None:
+            return self._attend_native(q, layer, options)
         if batch.is_decode:
             slots, keep = self._decode_view(window, batch)
             # NOTE: index_select, not k_buf[slots]: it copies whole rows, ~3x faster on a CPU
@@ -200,6 +247,23 @@ class TorchAttention(AttentionBackend):
             outputs.append(oi.transpose(0, 1).reshape(ext, num_heads * head_dim))
             start += ext
         return torch.cat(outputs, dim=0)
+
+
+def _row_slots(batch: ForwardBatch, table: torch.Tensor) -> RowSlots:
+    """Each query row's request row and key count (its position + 1), for the C attention."""
+    if batch.is_decode:
+        seq_lens = batch.seq_lens.to(torch.int32)
+        return RowSlots(table, batch.req_pool_indices, torch.zeros_like(seq_lens), seq_lens)
+    rows: list[int] = []
+    lens: list[int] = []
+    pairs = zip(
+        batch.req_pool_indices.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True
+    )
+    for row, seq, ext in pairs:
+        rows.extend([row] * ext)
+        lens.extend(range(seq - ext + 1, seq + 1))
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    return RowSlots(table, torch.tensor(rows), torch.zeros_like(lens_t), lens_t)
 
 
 def _visible(prefix: int, seq: int, window: int | None, device: torch.device) -> torch.Tensor:

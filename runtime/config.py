@@ -164,7 +164,7 @@ class EngineConfig:
         "the model is, dummy weights included), of the model's vocabulary and end tokens",
     )
     # NOTE: 7: a verify step of 1 + 7 rows is one pass of weft's CPU kernels over the weights
-    # (kernels/cpu_gemv.MAX_ROWS); 1 + 8 took two (code editing 2.84x vs 2.66x, RESULTS.md)
+    # (kernels/cpu_native.MAX_ROWS); 1 + 8 took two (code editing 2.84x vs 2.66x, RESULTS.md)
     speculative_num_draft_tokens: int = option(
         7, "most draft tokens a request verifies in one forward (speculative decoding)"
     )

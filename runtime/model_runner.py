@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from weft.kernels import cpu_gemv
+from weft.kernels import cpu_native
 from weft.runtime.attention import AttentionBackend, TorchAttention
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import ForwardBatch
@@ -93,7 +93,7 @@ def _weights_text(
     kernels = (
         f"weft's {native.isa} kernels"
         if native is not None
-        else f"torch's packed kernels ({cpu_gemv.why_not()})"
+        else f"torch's packed kernels ({cpu_native.why_not()})"
     )
     prefill = (
         "prefill through them too (quantized_prefill)"
@@ -179,7 +179,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.model_config, self.device)
         if self.device.type == "cpu":
             cpu_gemm.enable(config.cpu_float32_products)
-            cpu_gemv.use(config.cpu_kernels == "auto")
+            cpu_native.use(config.cpu_kernels == "auto")
         cls = model_class(self.model_config.architecture)
         max_ctx = config.context_length or self.model_config.max_position_embeddings
         self.context_length = max_ctx
@@ -282,7 +282,11 @@ class ModelRunner:
             from weft.runtime.triton_attention import TritonAttention
 
             return TritonAttention(self.kv_pool, self.req_to_token)
-        return TorchAttention(self.kv_pool, self.req_to_token)
+        # weft's C attention on a CPU: a row's bits whatever the step (TorchAttention)
+        native = cpu_native.native() if self.device.type == "cpu" else None
+        if self.kv_pool.dtype not in (torch.bfloat16, torch.float32):
+            native = None
+        return TorchAttention(self.kv_pool, self.req_to_token, native=native)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         max_bs = graph_max_bs(self.config, self.device, self.attention)

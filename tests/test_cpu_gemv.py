@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from weft.kernels import cpu_gemv
+from weft.kernels import cpu_gemv, cpu_native
 from weft.runtime.hardware import cpu_flags
 
 HAS_AVX2 = {"avx2", "fma"} <= cpu_flags()
@@ -33,8 +33,8 @@ def _paths() -> list[tuple[str, ...]]:
 
 
 @pytest.fixture(scope="module", params=_paths(), ids=lambda flags: "avx2" if flags else "native")
-def gemv(request) -> cpu_gemv.NativeGemv:
-    lib = cpu_gemv.build(request.param)
+def gemv(request) -> cpu_native.NativeCPU:
+    lib = cpu_native.build(request.param)
     assert lib.lanes == (8 if request.param else 16)
     return lib
 
@@ -114,14 +114,14 @@ def test_threads_give_the_same_bits(gemv):
 def test_a_failing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("WEFT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    with pytest.raises(RuntimeError, match=r"false could not build quant_gemv\.c"):
-        cpu_gemv.build(("-DWEFT_TEST_FAILING_BUILD",))
+    with pytest.raises(RuntimeError, match=r"false could not build weft.s CPU kernels"):
+        cpu_native.build(("-DWEFT_TEST_FAILING_BUILD",))
     assert not list((tmp_path / "kernels").glob("*.so*"))  # nothing half-written is left
 
 
 def test_this_cpu_gets_them():
     """Where the C compiler and AVX2 are (CI's machines), the kernels build and the default
     path takes them: a test that fails when they silently stop being used."""
-    assert cpu_gemv.why_not() is None
-    native = cpu_gemv.native()
+    assert cpu_native.why_not() is None
+    native = cpu_native.native()
     assert native is not None and native.lanes in (8, 16)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_gguf import IDS, SPM_VOCAB, hf_weights, tiny_llama, write_gguf
 
-from weft.kernels import cpu_gemv
+from weft.kernels import cpu_native
 from weft.runtime.loaders import gguf_convert
 from weft.runtime.loaders.gguf_convert import _Entry, _entry_data, _outputs, convert_gguf
 from weft.runtime.models.layers import QUANT_MAX_ROWS, QuantRows, QuantWeight, quant_rows
@@ -91,11 +91,11 @@ CASES = [
 @pytest.fixture(params=["weft", "torch"])
 def kernels(request):
     """Whose products QuantWeights take: weft's CPU kernels (kernels/cpu_gemv.py) or torch's."""
-    if request.param == "weft" and cpu_gemv.native() is None:
-        pytest.skip(f"weft's CPU kernels do not run here: {cpu_gemv.why_not()}")
-    cpu_gemv.use(request.param == "weft")
+    if request.param == "weft" and cpu_native.native() is None:
+        pytest.skip(f"weft's CPU kernels do not run here: {cpu_native.why_not()}")
+    cpu_native.use(request.param == "weft")
     yield request.param
-    cpu_gemv.use(True)
+    cpu_native.use(True)
 
 
 @pytest.mark.parametrize(("name", "requantize", "form"), CASES)
@@ -264,10 +264,10 @@ def test_quantization_gguf_refuses_float32(monkeypatch):
     # without bf16 in hardware, auto quantizes where weft's own CPU kernels run (they widen
     # bf16 in registers), else keeps them dense (explicit gguf still quantizes)
     monkeypatch.setattr(source, "cpu_bf16_flags", lambda: [])
-    monkeypatch.setattr(cpu_gemv, "native", lambda: None)
+    monkeypatch.setattr(cpu_native, "native", lambda: None)
     assert not gguf_quantized(config.replace(quantization="auto"), torch.bfloat16)
     assert gguf_quantized(config, torch.bfloat16)
-    monkeypatch.setattr(cpu_gemv, "native", lambda: object())
+    monkeypatch.setattr(cpu_native, "native", lambda: object())
     assert gguf_quantized(config.replace(quantization="auto"), torch.bfloat16)
     torch_kernels = config.replace(quantization="auto", cpu_kernels="torch")
     assert not gguf_quantized(torch_kernels, torch.bfloat16)
@@ -284,8 +284,8 @@ def test_shard_bytes_cover_quantized_outputs(monkeypatch, tensors):
 def test_decode_rows_get_the_bits_of_a_row_alone(tensors):
     """With weft's CPU kernels, a decode or verify step's rows (QuantRows) are multiplied as each
     row alone would be, whatever their count; other steps' rows go through the dense copy."""
-    if cpu_gemv.native() is None:
-        pytest.skip(f"weft's CPU kernels do not run here: {cpu_gemv.why_not()}")
+    if cpu_native.native() is None:
+        pytest.skip(f"weft's CPU kernels do not run here: {cpu_native.why_not()}")
     weight = _quant_weight(tensors["blk.0.ffn_gate.weight"], "int8")
     x = torch.randn(9, weight.in_features, generator=torch.Generator().manual_seed(0))
     x = x.to(torch.bfloat16)

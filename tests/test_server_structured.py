@@ -279,8 +279,9 @@ def test_native_ebnf(qwen):
 
 def test_native_json_schema(qwen):
     # NOTE: each from an empty prefix cache: a prompt computed after a cached prefix rounds
-    # apart from the whole prompt in bfloat16 (the masked SDPA over fewer query rows instead of
-    # the causal one; the linear layers give a row the same bits), which moves near ties
+    # apart from the whole prompt in bfloat16 (the dense GEMM of prompt tokens rounds a row by
+    # where it sits in the product; attention and the decode rows' kernels do not), which moves
+    # near ties
     assert qwen.post("/flush_cache").status_code == 200
     out = generate(qwen, "Invent a person.", max_new_tokens=48, json_schema=json.dumps(PERSON))
     jsonschema.validate(json.loads(out["text"]), PERSON)

@@ -79,10 +79,10 @@ def _gguf_dtype(config: EngineConfig) -> torch.dtype:
 
 
 def _weft_cpu_kernels(config: EngineConfig) -> bool:
-    """Whether weft's CPU kernels for quantized products (kernels/cpu_gemv.py) run here."""
-    from weft.kernels import cpu_gemv
+    """Whether weft's CPU kernels for quantized products (kernels/cpu_native.py) run here."""
+    from weft.kernels import cpu_native
 
-    return config.cpu_kernels == "auto" and cpu_gemv.native() is not None
+    return config.cpu_kernels == "auto" and cpu_native.native() is not None
 
 
 def gguf_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weft.kernels import cpu_gemv
+from weft.kernels import cpu_gemv, cpu_native
 from weft.runtime.model_config import Fp8Checkpoint
 from weft.runtime.models.cpu_gemm import f32_linear, wants_f32
 from weft.runtime.models.fp8 import FP8_DTYPE, FP8Weight, merge_shards, quantize_weight
@@ -77,12 +77,13 @@ class QuantRows:
     kernels, the others with the dense copy: `rows` None for all of them.
 
     NOTE: weft's CPU kernels give each row the same bits whatever rows come with it; the dense
-    copy's GEMM rounds otherwise. The model runner sends output tokens (decode steps, drafts to
-    verify, a grammar's forced tokens) through the quantized kernels whatever their count, so
-    that a greedy token does not depend on the batch it decodes in, nor on whether its request
-    speculates (a verify step of 9 rows must compute what 9 decode steps would); and prompt
-    tokens through the dense copy whatever their count, so that a prompt's last token, or a
-    select's choice, computes alike in a step of its own and in a long prefill beside others.
+    copy's GEMM rounds a row by the product's row count and where the row sits in it. The model
+    runner sends output tokens (decode steps, drafts to verify, a grammar's forced tokens)
+    through the quantized kernels whatever their count, so that a greedy token does not depend
+    on the batch it decodes in, nor on whether its request speculates (a verify step of 8 rows
+    must compute what 8 decode steps would); and prompt tokens through the dense copy whatever
+    their count (prefill speed), so a prompt computed after a cached prefix or in chunks may
+    round apart from the whole prompt at once.
     """
 
     total: int  # T: a linear of another row count (none in the models now) keeps the default
@@ -127,7 +128,7 @@ class QuantWeight(nn.Module):
                 "quantized GGUF weights run on the CPU only (load with quantization none)"
             )
         self.out_features = qweight.shape[0]
-        self.native = cpu_gemv.native()
+        self.native = cpu_native.native()
         self.kernel = "weft" if self.native else "torch"
         self.packed: torch.Tensor
         self.scales: torch.Tensor
