@@ -168,6 +168,12 @@ class EngineConfig:
     speculative_num_draft_tokens: int = option(
         7, "most draft tokens a request verifies in one forward (speculative decoding)"
     )
+    speculative_max_step_rows: int | None = option(
+        None,
+        "most rows a speculating decode step feeds (each request's token and its draft): the "
+        "drafts past them are cut, those of requests whose drafts were kept least first; unset: "
+        "8 on a CPU (one pass of weft's CPU kernels over the weights), 512 on CUDA",
+    )
     profile_steps: bool = option(
         False,
         "record per-step timings (forward, grammar mask fill and accepts, sampling; CUDA events "
@@ -213,6 +219,7 @@ class EngineConfig:
             "cuda_graph_max_bs",
             "max_prompt_tokens",
             "max_new_tokens_cap",
+            "speculative_max_step_rows",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

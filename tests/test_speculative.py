@@ -35,9 +35,11 @@ REGEX = r'\{"name": "[a-z]{1,8}", "mood": "(happy|sad)", "place": "[a-z ]{1,12}"
 
 @contextlib.contextmanager
 def speculating(engine, **changes) -> Iterator[None]:
-    """The engine with n-gram speculation for the block (its config restored after)."""
+    """The engine with n-gram speculation for the block (its config restored after); batches
+    draft as a request alone would (no step budget, unless `changes` sets one)."""
     config = engine.scheduler.config
-    engine.scheduler.config = config.replace(**{"speculative_algorithm": "ngram", **changes})
+    changes = {"speculative_algorithm": "ngram", "speculative_max_step_rows": 1024, **changes}
+    engine.scheduler.config = config.replace(**changes)
     try:
         yield
     finally:
@@ -142,6 +144,54 @@ def test_drafts_shrink_to_what_is_kept_and_back_off_after_misses():
         skips.append(spec.skip)
     assert skips == [1, 2, 4, 8, 16, 16] and spec.limit == 2
     assert (spec.verify_ct, spec.draft_tokens, spec.accepted_tokens) == (8, 23, 5)
+
+
+def test_a_step_shares_its_rows_by_what_each_request_kept():
+    """speculative_max_step_rows: each request's token takes a row; the drafts share the rest,
+    those of requests whose drafts the model kept most first, each up to its own limit."""
+    from weft.runtime.scheduler.speculative import Speculation, _share
+
+    reqs = [_req([1]) for _ in range(4)]
+    counts = [(0, 0), (9, 10), (1, 10), None]  # (kept, drafted); None: never drafted
+    for req, count in zip(reqs, counts, strict=True):
+        if count is not None:
+            req.spec = Speculation(limit=7, accepted_tokens=count[0], draft_tokens=count[1])
+    wants = [(req, 5) for req in reqs]
+    # shares (kept + 1) / (drafted + 2): 0.5, 0.83, 0.17, 0.5 (unknown) -> 1, 0, 3, 2
+    assert [(reqs.index(r), n) for r, n in _share(wants, 12)] == [(0, 5), (1, 5), (3, 2)]
+    assert [(reqs.index(r), n) for r, n in _share(wants, 3)] == [(1, 3)]
+    assert _share(wants, 0) == _share(wants, -4) == []
+    assert _share(wants, 100) == wants
+
+
+def test_a_speculating_batch_keeps_its_steps_within_the_row_budget(stories):
+    """The default budget (on a CPU 8 rows, one pass of weft's kernels: 3 requests draft at
+    most 5 tokens among them a step); the outputs are those without speculation."""
+    from weft.runtime.config import EngineConfig
+    from weft.runtime.scheduler.speculative import STEP_ROWS
+
+    runner = stories.scheduler.runner
+    rows: list[int] = []
+    forward = runner.forward
+
+    def counting(batch):
+        if batch.output_only_cpu and all(batch.output_only_cpu):
+            rows.append(len(batch.input_ids))
+        return forward(batch)
+
+    stories.flush_cache()
+    plain = stories.generate(STORIES, GREEDY)
+    runner.forward = counting
+    try:
+        with speculating(stories, speculative_max_step_rows=None):
+            spec = stories.generate(STORIES, GREEDY)
+    finally:
+        del runner.forward
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    budget = STEP_ROWS[runner.device.type]
+    assert max(rows) <= budget and _accepted(spec) > 0
+    if budget < len(STORIES) * (1 + EngineConfig().speculative_num_draft_tokens):
+        assert max(rows) == budget  # it binds (a CPU): the rows left go to drafts
 
 
 @pytest.fixture(scope="module")

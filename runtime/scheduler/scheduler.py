@@ -111,7 +111,9 @@ class Scheduler:
         )
         self.output = OutputProcessor(tokenizer, end_ids, self.max_seq_len)
         self.constrained = Constrained(config, runner, self.output)
-        self.speculative = Speculative(config, self.memory, self.output, draft)
+        self.speculative = Speculative(
+            config, self.memory, self.output, draft, device_type=runner.device.type
+        )
         # the grammar backends, built in the background from now (`wait_for_grammars`)
         self._grammars_built = self.constrained.prepare()
         self.arrivals = Arrivals(config.random_seed, self.constrained, self.memory.cache.enabled)

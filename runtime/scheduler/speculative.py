@@ -54,6 +54,11 @@ MAX_MISS_BACKOFF = 16
 # (at least MIN_DRAFT); one kept whole doubles it, up to speculative_num_draft_tokens. Rows the
 # model rejects cost forward rows and, under a grammar, a mask fill each.
 MIN_DRAFT = 2
+# speculative_max_step_rows unset. CPU: a decode step of more rows makes weft's kernels pass over
+# the weights again (kernels/cpu_native.MAX_ROWS): a batch of 4 drafting 7 each (32 rows) ran a
+# story 0.87x and JSON 0.69x of no speculation (RESULTS.md). CUDA: not measured; a verify step of
+# 512 rows is past the memory-bound regime of an 8B model's GEMMs on an H100.
+STEP_ROWS = {"cpu": 8, "cuda": 512}
 
 
 class NgramIndex:
@@ -133,14 +138,22 @@ class Speculative:
         memory: MemoryManager,
         output: OutputProcessor,
         draft_model: DraftModel | None = None,
+        *,
+        device_type: str = "cpu",
     ):
         self.config = config
+        self.device_type = device_type
         self.memory = memory
         self.output = output
         self.draft_model = draft_model  # with speculative_algorithm draft
         self.verify_ct = 0  # over all requests, for /metrics
         self.draft_tokens = 0
         self.accepted_tokens = 0
+
+    @property
+    def step_rows(self) -> int:
+        """Most rows a speculating decode step feeds (speculative_max_step_rows)."""
+        return self.config.speculative_max_step_rows or STEP_ROWS.get(self.device_type, 512)
 
     @property
     def enabled(self) -> bool:
@@ -171,6 +184,9 @@ class Speculative:
         but not for those in `defer`: a step that feeds them without a draft is under way
         (overlap schedule); `Speculation.deferred` says what they would have drafted."""
         wants = [(req, limit) for req in reqs if (limit := self._limit(req)) > 0]
+        # NOTE: after `_limit`, which clears the drafts of requests without a grammar
+        forced = sum(len(req.draft) for req in reqs)
+        wants = _share(wants, self.step_rows - len(reqs) - forced)
         if self.config.speculative_algorithm == "draft":
             assert self.draft_model is not None, "speculative_algorithm draft: no draft model"
             for req, limit in wants:
@@ -265,3 +281,19 @@ class Speculative:
             spec.skip = min((1 << spec.misses) // 2, MAX_MISS_BACKOFF)
         else:
             spec.misses = 0
+
+
+def _share(wants: list[tuple[Req, int]], rows: int) -> list[tuple[Req, int]]:
+    """The drafter's tokens of each request within `rows` for the step: requests whose drafts
+    the model kept most (their share, (kept + 1) / (drafted + 2)) first, each up to its limit;
+    the order of `wants` among equals. Those left without rows draft nothing this step."""
+
+    def kept(req: Req) -> float:
+        spec = req.spec
+        return (spec.accepted_tokens + 1) / (spec.draft_tokens + 2) if spec else 0.5
+
+    shares = dict.fromkeys(range(len(wants)), 0)
+    for i in sorted(shares, key=lambda i: -kept(wants[i][0])):
+        shares[i] = min(wants[i][1], max(rows, 0))
+        rows -= shares[i]
+    return [(req, shares[i]) for i, (req, _) in enumerate(wants) if shares[i] > 0]
