@@ -92,8 +92,8 @@ class TorchAttention(AttentionBackend):
     C instead (`NativeCPU.attention`): a token gets the same bits whether it is decoded alone or
     in a batch, verified among drafts, or computed in a prompt after a cached prefix, in a chunk
     or whole; SDPA's paths for those shapes sum in other orders. (It is also faster here: a
-    512-token prompt's causal attention 16 vs 17 ms a layer, a decode row at 512 tokens of
-    context 0.06 vs 0.44 ms; RESULTS.md.)
+    512-token prompt's causal attention 6.5 vs 17.9 ms a layer, a decode row at 512 tokens of
+    context 0.05 vs 0.44 ms; RESULTS.md.)
     """
 
     def __init__(

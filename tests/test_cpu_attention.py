@@ -115,6 +115,22 @@ def test_a_row_gets_the_same_bits_whatever_comes_with_it(lib):
         torch.set_num_threads(threads)
 
 
+def test_a_prompts_rows_get_the_bits_of_rows_alone(lib):
+    """40 rows of one request (a prompt of positions 10 .. 49: tiles of 16, 16 and 8 rows that
+    share each block of keys), with a sliding window too (every row its own lo): each row as it
+    is alone."""
+    hq, hkv, dim = 8, 2, 24
+    k, v, table = _pool([50], hkv, dim, torch.float32, seed=11)
+    q = torch.randn(40, hq, dim).to(torch.bfloat16)
+    rows = torch.ones(40, dtype=torch.int64)
+    lens = torch.arange(11, 51, dtype=torch.int32)
+    for lo in (torch.zeros(40, dtype=torch.int32), (lens - 20).clamp(min=0).to(torch.int32)):
+        together = lib.attention(q, k, v, RowSlots(table, rows, lo, lens), scale=0.3)
+        for t in range(40):
+            one = RowSlots(table, rows[t : t + 1], lo[t : t + 1], lens[t : t + 1])
+            assert torch.equal(lib.attention(q[t : t + 1], k, v, one, scale=0.3)[0], together[t])
+
+
 # ---- in TorchAttention ----------------------------------------------------------------------
 
 HQ, HKV, DIM = 14, 2, 64

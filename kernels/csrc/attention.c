@@ -32,6 +32,17 @@
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vint __attribute__((vector_size(VL * 4)));
 
+/* a * b + c in one rounding where the ISA has it (the sums' order is the same either way) */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FMA(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FMA(a, b, c) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#else
+#define FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
 static inline vf splat(float x) { return (vf){0} + x; } /* GCC broadcasts the scalar */
 
 /* e^x lane by lane (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
@@ -71,12 +82,15 @@ static inline void widen(const void *p, int kv_bf16, int D, int Dp, float *dst) 
     for (int c = D; c < Dp; c++) dst[c] = 0.0f;
 }
 
+#define TILE 16 /* rows of one request that share each block of widened keys and values */
+
 struct task_buffers {
-    float *q;    /* [G, Dp] this task's query heads */
-    float *acc;  /* [G, Dp] */
+    float *q;    /* [TILE, G, Dp] the tile's query heads of this task */
+    float *acc;  /* [TILE, G, Dp] */
+    float *ml;   /* [TILE, 2, G] running max and sum */
     float *kt;   /* [D, VL] the block's keys, transposed */
     float *vb;   /* [VL, Dp] the block's values */
-    float *p;    /* [G, VL] the block's probabilities */
+    float *p;    /* [G, VL] a row's probabilities in the block */
 };
 
 /* s[g] = the block's scores of query heads g < GB, each summed over c in order. GB is a constant
@@ -89,7 +103,7 @@ static inline __attribute__((always_inline)) void block_scores(const float *q, i
     for (int c = 0; c < D; c++) {
         vf kc;
         memcpy(&kc, kt + c * VL, sizeof kc);
-        for (int g = 0; g < GB; g++) acc[g] += splat(q[g * Dp + c]) * kc;
+        for (int g = 0; g < GB; g++) acc[g] = FMA(splat(q[g * Dp + c]), kc, acc[g]);
     }
     for (int g = 0; g < GB; g++) s[g] = acc[g];
 }
@@ -105,7 +119,7 @@ static inline __attribute__((always_inline)) void block_values(const float *p, c
         for (int jj = 0; jj < nb; jj++) {
             vf r;
             memcpy(&r, vb + jj * Dp + c, sizeof r);
-            for (int g = 0; g < GB; g++) a[g] += splat(p[g * VL + jj]) * r;
+            for (int g = 0; g < GB; g++) a[g] = FMA(splat(p[g * VL + jj]), r, a[g]);
         }
         for (int g = 0; g < GB; g++) memcpy(acc + g * Dp + c, &a[g], sizeof a[g]);
     }
@@ -123,106 +137,137 @@ static inline __attribute__((always_inline)) void block_values(const float *p, c
         default: call(8); break; \
     }
 
-/* Row t, KV head h: the online softmax over keys lo .. len - 1, VL keys a block. */
-static void attend_task(const float *q, int hq, int hkv, int D, int Dp, const char *k,
-                        const char *v, int kv_bf16, const int64_t *slots, int lo, int len,
-                        float scale, float cap, int h, float *out, struct task_buffers *b) {
+/* One row's step over a block of nb keys (kt, vb): scores, the online softmax, the values.
+ * Its arithmetic depends on the row's own query, keys and nb only (lanes past nb are masked,
+ * whatever keys of other rows they hold). */
+static inline void row_block(const float *q, float *acc, float *m, float *l, int G, int D,
+                             int Dp, int nb, float scale, float cap, struct task_buffers *b) {
+    for (int g0 = 0; g0 < G; g0 += 8) {
+        const int gb = G - g0 < 8 ? G - g0 : 8;
+        vf s[8];
+#define SCORES(n) block_scores(q + g0 * Dp, Dp, D, b->kt, n, s)
+        BY_GB(SCORES)
+#undef SCORES
+        for (int i = 0; i < gb; i++) {
+            const int g = g0 + i;
+            vf sg = s[i] * splat(scale);
+            float block_max = -INFINITY;
+            for (int jj = 0; jj < VL; jj++) {
+                if (jj >= nb) {
+                    sg[jj] = -INFINITY;
+                    continue;
+                }
+                if (cap > 0.0f) sg[jj] = cap * tanhf(sg[jj] / cap);
+                block_max = sg[jj] > block_max ? sg[jj] : block_max;
+            }
+            const float m_new = block_max > m[g] ? block_max : m[g];
+            const float shrink = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
+            vf p = vexp(sg - splat(m_new));
+            float sum = 0.0f;
+            for (int jj = 0; jj < VL; jj++) sum += p[jj];
+            l[g] = l[g] * shrink + sum;
+            m[g] = m_new;
+            memcpy(b->p + g * VL, &p, sizeof p);
+            if (shrink != 1.0f)
+                for (int c = 0; c < Dp; c++) acc[g * Dp + c] *= shrink;
+        }
+#define VALUES(n) block_values(b->p + g0 * VL, b->vb, Dp, nb, n, acc + g0 * Dp)
+        BY_GB(VALUES)
+#undef VALUES
+    }
+}
+
+/* Rows t0 .. t0 + n - 1 (one request, one lo), KV head h: each row's online softmax over its
+ * keys lo .. len[t] - 1, VL keys a block from lo; a block's keys and values are widened once
+ * for all the rows that reach it. */
+static void attend_tile(const float *q, int hq, int hkv, int D, int Dp, const char *k,
+                        const char *v, int kv_bf16, const int64_t *slots, int lo,
+                        const int32_t *len, int n, float scale, float cap, int h, float *out,
+                        struct task_buffers *b) {
     const int G = hq / hkv;
     const size_t esize = kv_bf16 ? 2 : 4;
     const size_t slot_bytes = (size_t)hkv * D * esize, head_bytes = (size_t)D * esize;
-    float m[G], l[G];
-    for (int g = 0; g < G; g++) {
-        const float *src = q + (int64_t)(h * G + g) * D;
-        for (int c = 0; c < Dp; c++) b->q[g * Dp + c] = c < D ? src[c] : 0.0f;
-        for (int c = 0; c < Dp; c++) b->acc[g * Dp + c] = 0.0f;
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+    int end = lo;
+    for (int r = 0; r < n; r++) {
+        end = len[r] > end ? len[r] : end;
+        for (int g = 0; g < G; g++) {
+            const float *src = q + ((int64_t)r * hq + h * G + g) * D;
+            float *dst = b->q + (r * G + g) * Dp, *acc = b->acc + (r * G + g) * Dp;
+            for (int c = 0; c < Dp; c++) dst[c] = c < D ? src[c] : 0.0f;
+            for (int c = 0; c < Dp; c++) acc[c] = 0.0f;
+            b->ml[(r * 2) * G + g] = -INFINITY;
+            b->ml[(r * 2 + 1) * G + g] = 0.0f;
+        }
     }
-    for (int j0 = lo; j0 < len; j0 += VL) {
-        const int nb = len - j0 < VL ? len - j0 : VL;
+    for (int j0 = lo; j0 < end; j0 += VL) {
+        const int nb_all = end - j0 < VL ? end - j0 : VL;
         for (int jj = 0; jj < VL; jj++) {
             float *row = b->vb + jj * Dp; /* scratch until the values come */
-            if (jj < nb)
+            if (jj < nb_all)
                 widen(k + slots[j0 + jj] * slot_bytes + h * head_bytes, kv_bf16, D, Dp, row);
             else
                 memset(row, 0, (size_t)Dp * sizeof(float));
             for (int c = 0; c < D; c++) b->kt[c * VL + jj] = row[c];
         }
-        for (int jj = 0; jj < nb; jj++)
+        for (int jj = 0; jj < nb_all; jj++)
             widen(v + slots[j0 + jj] * slot_bytes + h * head_bytes, kv_bf16, D, Dp,
                   b->vb + jj * Dp);
-        for (int g0 = 0; g0 < G; g0 += 8) {
-            const int gb = G - g0 < 8 ? G - g0 : 8;
-            vf s[8];
-#define SCORES(n) block_scores(b->q + g0 * Dp, Dp, D, b->kt, n, s)
-            BY_GB(SCORES)
-#undef SCORES
-            for (int i = 0; i < gb; i++) {
-                const int g = g0 + i;
-                vf sg = s[i] * splat(scale);
-                float block_max = -INFINITY;
-                for (int jj = 0; jj < VL; jj++) {
-                    if (jj >= nb) {
-                        sg[jj] = -INFINITY;
-                        continue;
-                    }
-                    if (cap > 0.0f) sg[jj] = cap * tanhf(sg[jj] / cap);
-                    block_max = sg[jj] > block_max ? sg[jj] : block_max;
-                }
-                const float m_new = block_max > m[g] ? block_max : m[g];
-                const float shrink = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
-                vf p = vexp(sg - splat(m_new));
-                float sum = 0.0f;
-                for (int jj = 0; jj < VL; jj++) sum += p[jj];
-                l[g] = l[g] * shrink + sum;
-                m[g] = m_new;
-                memcpy(b->p + g * VL, &p, sizeof p);
-                if (shrink != 1.0f)
-                    for (int c = 0; c < Dp; c++) b->acc[g * Dp + c] *= shrink;
-            }
-#define VALUES(n) block_values(b->p + g0 * VL, b->vb, Dp, nb, n, b->acc + g0 * Dp)
-            BY_GB(VALUES)
-#undef VALUES
+        for (int r = 0; r < n; r++) {
+            if (len[r] <= j0) continue;
+            const int nb = len[r] - j0 < VL ? len[r] - j0 : VL;
+            row_block(b->q + r * G * Dp, b->acc + r * G * Dp, b->ml + (r * 2) * G,
+                      b->ml + (r * 2 + 1) * G, G, D, Dp, nb, scale, cap, b);
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *dst = out + (int64_t)(h * G + g) * D;
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int c = 0; c < D; c++) dst[c] = b->acc[g * Dp + c] * inv;
-    }
+    for (int r = 0; r < n; r++)
+        for (int g = 0; g < G; g++) {
+            float *dst = out + ((int64_t)r * hq + h * G + g) * D;
+            const float sum = b->ml[(r * 2 + 1) * G + g];
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (int c = 0; c < D; c++) dst[c] = b->acc[(r * G + g) * Dp + c] * inv;
+        }
 }
 
-/* T rows on `threads` OpenMP threads, a (row, KV head) a task. Returns 0, or -1 when out of
+/* T rows on `threads` OpenMP threads. Runs of up to TILE rows of one request and one lo
+ * (a prompt's, a verify step's) form tiles; a (tile, KV head) is a task, handed out as threads
+ * come free, the last (longest: the latest positions) first. Returns 0, or -1 when out of
  * memory. */
 int weft_attention_rows(const float *q, int T, int hq, int hkv, int D, const void *k,
                         const void *v, int kv_bf16, const int64_t *table, int64_t stride,
                         const int64_t *rows, const int32_t *lo, const int32_t *len, float scale,
                         float cap, float *out, int threads) {
     const int G = hq / hkv, Dp = (D + VL - 1) / VL * VL;
+    int *starts = malloc(sizeof(int) * (size_t)(T + 1));
+    if (!starts) return -1;
+    int tiles = 0;
+    for (int t = 0; t < T; t++)
+        if (t == 0 || rows[t] != rows[t - 1] || lo[t] != lo[t - 1] || t - starts[tiles - 1] == TILE)
+            starts[tiles++] = t;
+    starts[tiles] = T;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         struct task_buffers b;
-        const size_t floats = (size_t)(2 * G * Dp + D * VL + VL * Dp + G * VL);
+        const size_t floats =
+            (size_t)(2 * TILE * G * Dp + 2 * TILE * G + D * VL + VL * Dp + G * VL);
         float *mem = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        if (!mem) {
-            failed = 1;
-        } else {
-            b.q = mem;
-            b.acc = b.q + G * Dp;
-            b.kt = b.acc + G * Dp;
-            b.vb = b.kt + D * VL;
-            b.p = b.vb + VL * Dp;
-            int first, end;
-            thread_share(T * hkv, 1, &first, &end);
-            for (int task = first; task < end; task++) {
-                const int t = task / hkv, h = task % hkv;
-                attend_task(q + (int64_t)t * hq * D, hq, hkv, D, Dp, k, v, kv_bf16,
-                            table + rows[t] * stride, lo[t], len[t], scale, cap, h,
-                            out + (int64_t)t * hq * D, &b);
-            }
-            free(mem);
+        if (!mem) failed = 1;
+        b.q = mem;
+        b.acc = b.q + TILE * G * Dp;
+        b.ml = b.acc + TILE * G * Dp;
+        b.kt = b.ml + 2 * TILE * G;
+        b.vb = b.kt + D * VL;
+        b.p = b.vb + VL * Dp;
+#pragma omp for schedule(dynamic, 1)
+        for (int task = tiles * hkv - 1; task >= 0; task--) {
+            if (!mem) continue;
+            const int i = task / hkv, h = task % hkv, t = starts[i];
+            attend_tile(q + (int64_t)t * hq * D, hq, hkv, D, Dp, k, v, kv_bf16,
+                        table + rows[t] * stride, lo[t], len + t, starts[i + 1] - t, scale, cap,
+                        h, out + (int64_t)t * hq * D, &b);
         }
+        free(mem);
     }
+    free(starts);
     return failed ? -1 : 0;
 }
