@@ -1,4 +1,4 @@
-"""weft's CPU kernels for quantized decode products (kernels/cpu_gemv.py) against torch's packed
+"""weft's CPU kernels for quantized decode products (kernels/csrc/quant_gemv.c) against torch's packed
 int4 / int8 kernels and bfloat16 products of the dequantized weight, on the default model's
 layer shapes, per layer, as decode calls them: each call on the next of enough copies of the
 weight that none is in the caches (at least 256 MB in all). Baseline measured in the same run:
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weft.kernels import cpu_gemv
+from weft.kernels import cpu_gemv, cpu_native
 
 from common import copy_bandwidth, describe_device
 
@@ -107,9 +107,9 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    native = cpu_gemv.native()
+    native = cpu_native.native()
     if native is None:
-        sys.exit(f"weft's CPU kernels do not run here: {cpu_gemv.why_not()}")
+        sys.exit(f"weft's CPU kernels do not run here: {cpu_native.why_not()}")
     copy = copy_bandwidth(torch.device("cpu"))
     print(f"# device: {describe_device(torch.device('cpu'))}; weft's {native.isa} kernels")
     print(f"# copy bandwidth (read + write): {copy:.1f} GB/s")
