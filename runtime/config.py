@@ -174,6 +174,13 @@ class EngineConfig:
         "drafts past them are cut, those of requests whose drafts were kept least first; unset: "
         "8 on a CPU (one pass of weft's CPU kernels over the weights), 512 on CUDA",
     )
+    speculative_row_cost: float | None = option(
+        None,
+        "what a drafted row costs, as a share of a one-row decode step: a draft token is fed "
+        "where its chance of being kept beats its row's share of the step's tokens; unset: "
+        "timed from the steps (before that 0.15 on a CPU, 0 on CUDA); 0: every token the "
+        "drafter has, within speculative_max_step_rows",
+    )
     profile_steps: bool = option(
         False,
         "record per-step timings (forward, grammar mask fill and accepts, sampling; CUDA events "
@@ -224,6 +231,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.speculative_row_cost is not None and self.speculative_row_cost < 0:
+            raise ValueError(f"speculative_row_cost must be >= 0, got {self.speculative_row_cost}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"

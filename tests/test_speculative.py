@@ -35,10 +35,16 @@ REGEX = r'\{"name": "[a-z]{1,8}", "mood": "(happy|sad)", "place": "[a-z ]{1,12}"
 
 @contextlib.contextmanager
 def speculating(engine, **changes) -> Iterator[None]:
-    """The engine with n-gram speculation for the block (its config restored after); batches
-    draft as a request alone would (no step budget, unless `changes` sets one)."""
+    """The engine with n-gram speculation for the block (its config restored after); every
+    token the drafter has is fed, and batches draft as a request alone would (no row cost, no
+    step budget, unless `changes` sets them)."""
     config = engine.scheduler.config
-    changes = {"speculative_algorithm": "ngram", "speculative_max_step_rows": 1024, **changes}
+    changes = {
+        "speculative_algorithm": "ngram",
+        "speculative_max_step_rows": 1024,
+        "speculative_row_cost": 0.0,
+        **changes,
+    }
     engine.scheduler.config = config.replace(**changes)
     try:
         yield
@@ -147,21 +153,43 @@ def test_drafts_shrink_to_what_is_kept_and_back_off_after_misses():
 
 
 def test_a_step_shares_its_rows_by_what_each_request_kept():
-    """speculative_max_step_rows: each request's token takes a row; the drafts share the rest,
-    those of requests whose drafts the model kept most first, each up to its own limit."""
+    """Each request's token takes a row; the drafts share the rest: a request's k-th draft token
+    counts c ** k (c its keep chance), drafted where that beats the row's cost, likeliest first,
+    each request up to its limit."""
     from weft.runtime.scheduler.speculative import Speculation, _share
 
     reqs = [_req([1]) for _ in range(4)]
-    counts = [(0, 0), (9, 10), (1, 10), None]  # (kept, drafted); None: never drafted
-    for req, count in zip(reqs, counts, strict=True):
+    recent = [(0, 0), (8, 0), (0, 3), None]  # (kept, rejected); None: no drafter state yet
+    for req, count in zip(reqs, recent, strict=True):
         if count is not None:
-            req.spec = Speculation(limit=7, accepted_tokens=count[0], draft_tokens=count[1])
+            req.spec = Speculation(limit=7, recent_kept=count[0], recent_rejected=count[1])
+    assert [r.spec.keep_chance for r in reqs[:3]] == [0.5, 0.9, 0.2]
     wants = [(req, 5) for req in reqs]
-    # shares (kept + 1) / (drafted + 2): 0.5, 0.83, 0.17, 0.5 (unknown) -> 1, 0, 3, 2
-    assert [(reqs.index(r), n) for r, n in _share(wants, 12)] == [(0, 5), (1, 5), (3, 2)]
-    assert [(reqs.index(r), n) for r, n in _share(wants, 3)] == [(1, 3)]
-    assert _share(wants, 0) == _share(wants, -4) == []
-    assert _share(wants, 100) == wants
+
+    def share(rows: int, cost: float) -> list[tuple[int, int]]:
+        return [(reqs.index(r), n) for r, n in _share(wants, rows, cost)]
+
+    # chances over 0.1: 0.5 0.25 0.125 | 0.9 0.81 0.729 0.656 0.59 | 0.2 | 0.5 0.25 0.125
+    assert share(12, 0.1) == [(0, 3), (1, 5), (2, 1), (3, 3)]
+    assert share(4, 0.1) == [(1, 4)]
+    assert share(6, 0.1) == [(0, 1), (1, 5)]  # 0.5 twice: the first request's
+    assert share(100, 0.6) == [(1, 4)]  # 0.59 does not pay for its row
+    assert share(0, 0.0) == share(-4, 0.0) == []
+    assert _share(wants, 100, 0.0) == wants
+
+
+def test_step_cost_fits_the_timed_steps():
+    from weft.runtime.scheduler.speculative import StepCost
+
+    cost = StepCost(prior=0.2)
+    assert cost.fit() is None and cost.row_cost(4) == pytest.approx(0.8 / 1.8)
+    cost.record(4, 0.018)  # one row count: b from the prior, a = 0.018 / (1 + 0.2 * 4)
+    assert cost.fit() == pytest.approx((0.01, 0.002))
+    cost = StepCost(prior=0.2)
+    for rows in (1, 8, 1, 8, 4):
+        cost.record(rows, 0.02 + 0.004 * rows)  # several row counts: the fit, not the prior
+    assert cost.fit() == pytest.approx((0.02, 0.004))
+    assert cost.row_cost(4) == pytest.approx(0.016 / 0.036)
 
 
 def test_a_speculating_batch_keeps_its_steps_within_the_row_budget(stories):
@@ -183,7 +211,7 @@ def test_a_speculating_batch_keeps_its_steps_within_the_row_budget(stories):
     plain = stories.generate(STORIES, GREEDY)
     runner.forward = counting
     try:
-        with speculating(stories, speculative_max_step_rows=None):
+        with speculating(stories, speculative_max_step_rows=None, speculative_row_cost=None):
             spec = stories.generate(STORIES, GREEDY)
     finally:
         del runner.forward
@@ -408,6 +436,14 @@ PERSON = (
 STORY = "Write a long story about a dragon who learns to bake bread in a small mountain village."
 
 
+def _uncached(engine, prompt, params):
+    """A generation from an empty prefix cache. NOTE: on real weights, a prompt after a cached
+    prefix takes the dense GEMM with other row counts, which rounds a row by where it sits in
+    the product: a repeat may then differ from the first run at a near tie."""
+    engine.flush_cache()
+    return engine.generate(prompt, params)
+
+
 def _chat(engine, text: str) -> str:
     return engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
@@ -418,9 +454,9 @@ def test_code_editing_on_the_default_model():
     engine = qwen_engine()
     prompt = _chat(engine, EDIT)
     params = {"max_new_tokens": 100, "temperature": 0}
-    plain = engine.generate(prompt, params)
+    plain = _uncached(engine, prompt, params)
     with speculating(engine):
-        spec = engine.generate(prompt, params)
+        spec = _uncached(engine, prompt, params)
     assert spec["output_ids"] == plain["output_ids"]
     m = spec["meta_info"]
     # the answer repeats the code: much of it comes from drafts
@@ -432,19 +468,13 @@ def test_a_story_whose_drafts_miss_is_the_same_on_the_default_model():
     """Drafts that are mostly rejected, on real weights: every verify step's rows must round as
     decode steps do, alone or in a batch (weft's CPU kernels and C attention). Before the C
     attention, the verify step's SDPA rounded apart and this story left the plain one at token
-    59. NOTE: the cache is flushed before each run: a prompt after a cached prefix takes the
-    dense GEMM with other row counts, which rounds a row by where it sits in the product."""
+    59."""
     engine = qwen_engine()
     prompts = [_chat(engine, STORY), _chat(engine, STORY.replace("dragon", "fox"))]
     params = {"max_new_tokens": 96, "temperature": 0}
-
-    def run(prompt):
-        engine.flush_cache()
-        return engine.generate(prompt, params)
-
-    plain = run(prompts)
+    plain = _uncached(engine, prompts, params)
     with speculating(engine):
-        spec, alone = run(prompts), run(prompts[1])
+        spec, alone = _uncached(engine, prompts, params), _uncached(engine, prompts[1], params)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert alone["output_ids"] == plain[1]["output_ids"]
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in spec)
@@ -454,9 +484,9 @@ def test_json_schema_with_speculation_on_the_default_model():
     engine = qwen_engine()
     prompt = _chat(engine, PERSON)
     params = {"max_new_tokens": 80, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
-    plain = engine.generate(prompt, params)
+    plain = _uncached(engine, prompt, params)
     with speculating(engine):
-        spec = engine.generate(prompt, params)
+        spec = _uncached(engine, prompt, params)
     assert spec["output_ids"] == plain["output_ids"]
     jsonschema.validate(json.loads(spec["text"]), SCHEMA)
     m = spec["meta_info"]

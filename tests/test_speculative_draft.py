@@ -61,9 +61,10 @@ def not_speculating(engine) -> Iterator[None]:
 def drafting_engine(target: Path, draft: Path, **kwargs) -> Engine:
     # NOTE: the schedule named and the pool fixed (on a GPU the overlap schedule is the default
     # and the pools are sized from free memory, which other modules hold); batches draft as a
-    # request alone would (no step budget)
+    # request alone would (no row cost, no step budget)
     kwargs.setdefault("disable_overlap_schedule", True)
     kwargs.setdefault("speculative_max_step_rows", 1024)
+    kwargs.setdefault("speculative_row_cost", 0.0)
     return make_engine(
         target,
         speculative_algorithm="draft",
@@ -205,6 +206,7 @@ def test_retractions_free_the_draft_kv(stories_dir, itself):
         disable_overlap_schedule=True,
         max_total_tokens=250,
         speculative_max_step_rows=1024,
+        speculative_row_cost=0.0,
     )
     prompts = [f"{STORIES[i % 3]} {i}" for i in range(12)]
     params = {**GREEDY, "max_new_tokens": 100, "ignore_eos": True}

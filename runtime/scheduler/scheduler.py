@@ -239,6 +239,7 @@ class Scheduler:
     def _run(self, work: list[tuple[Req, int]]) -> None:
         """The forward of the step's work; the previous step's tokens are read back while it
         runs (overlap schedule), this step's right after it otherwise."""
+        start = time.perf_counter()
         batch, plans = build_batch(work, self.memory, self.runner.device)
         self.profile.mark("sched")
         failed = self._sample()  # the previous step's: its masks were filled meanwhile
@@ -258,6 +259,9 @@ class Scheduler:
         self._launch(hidden, plans)
         if not self.overlap:
             self._resolve()
+            if self.speculative.enabled and batch.output_only_cpu and all(batch.output_only_cpu):
+                # a decode step's whole cost for its rows, what drafting weighs (StepCost)
+                self.speculative.cost.record(batch.num_tokens, time.perf_counter() - start)
         self.peak_running = max(self.peak_running, len(self.running))
         self.admission.decay()
 

@@ -30,6 +30,7 @@ at every drafted position.)
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Collection
 
 from weft.runtime.config import EngineConfig
@@ -59,6 +60,19 @@ MIN_DRAFT = 2
 # story 0.87x and JSON 0.69x of no speculation (RESULTS.md). CUDA: not measured; a verify step of
 # 512 rows is past the memory-bound regime of an 8B model's GEMMs on an H100.
 STEP_ROWS = {"cpu": 8, "cuda": 512}
+# A draft row's cost, as a share of a one-row decode step, until steps of several row counts
+# are timed (StepCost): on this CPU a row adds ~15 % (a step of 1 row 25 ms, of 8 rows 51 ms:
+# int4 products are compute-bound past one row, RESULTS.md); a GPU's small steps are bound by
+# reading the weights, so rows cost ~nothing there (and are not timed: the overlap schedule).
+ROW_COST_PRIOR = {"cpu": 0.15, "cuda": 0.0}
+# A request's chance that its next draft token is kept: (K + 1) / (K + R + 2) over its kept
+# tokens K and rejections R, each decayed by this at every verify (drafts come in bursts: a
+# copied span is kept whole, a new sentence rejected)
+KEEP_DECAY = 0.7
+# ... and by this at every step the request drafts nothing for want of rows or of chance: its
+# chance drifts back towards 1/2, so a request whose drafts stopped paying tries again (after
+# ~13 steps from one rejection at a 4-request batch here), as a text may start repeating later
+IDLE_DECAY = 0.97
 
 
 class NgramIndex:
@@ -126,6 +140,50 @@ class Speculation:
     verify_ct: int = 0  # forwards that verified a draft of this request
     draft_tokens: int = 0  # draft tokens verified (after the grammar's cut)
     accepted_tokens: int = 0  # of those, the ones the model kept
+    recent_kept: float = 0.0  # kept tokens and rejections, decayed by KEEP_DECAY a verify
+    recent_rejected: float = 0.0
+
+    @property
+    def keep_chance(self) -> float:
+        """The chance the next draft token is kept, after those before it were."""
+        return (self.recent_kept + 1) / (self.recent_kept + self.recent_rejected + 2)
+
+
+class StepCost:
+    """What a decode step's rows cost, from the latest timed steps: seconds = a + b * rows, fitted
+    by least squares; with one row count seen so far, b from the prior (b = prior * a)."""
+
+    def __init__(self, prior: float, window: int = 64) -> None:
+        self.prior = prior
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.steps.append((rows, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None before any step."""
+        if not self.steps:
+            return None
+        n = len(self.steps)
+        mean_rows = sum(r for r, _ in self.steps) / n
+        mean_s = sum(t for _, t in self.steps) / n
+        spread = sum((r - mean_rows) ** 2 for r, _ in self.steps)
+        if spread > 0:
+            b = sum((r - mean_rows) * (t - mean_s) for r, t in self.steps) / spread
+            b = max(b, 0.0)
+            a = mean_s - b * mean_rows
+            if a > 0:
+                return a, b
+        a = mean_s / (1 + self.prior * mean_rows)
+        return a, self.prior * a
+
+    def row_cost(self, batch: int) -> float:
+        """A drafted row's cost in tokens of a step of `batch` rows without drafts."""
+        fit = self.fit()
+        if fit is None:
+            return self.prior * batch / (1 + self.prior * batch)
+        a, b = fit
+        return b * batch / (a + b * batch)
 
 
 class Speculative:
@@ -143,6 +201,7 @@ class Speculative:
     ):
         self.config = config
         self.device_type = device_type
+        self.cost = StepCost(ROW_COST_PRIOR.get(device_type, 0.0))
         self.memory = memory
         self.output = output
         self.draft_model = draft_model  # with speculative_algorithm draft
@@ -186,7 +245,15 @@ class Speculative:
         wants = [(req, limit) for req in reqs if (limit := self._limit(req)) > 0]
         # NOTE: after `_limit`, which clears the drafts of requests without a grammar
         forced = sum(len(req.draft) for req in reqs)
-        wants = _share(wants, self.step_rows - len(reqs) - forced)
+        rows = self.step_rows - len(reqs) - forced
+        shared = _share(wants, rows, self._row_cost(len(reqs) + forced))
+        if len(shared) < len(wants):
+            drafting = {id(req) for req, _ in shared}
+            for req, _ in wants:
+                if id(req) not in drafting:
+                    req.spec.recent_kept *= IDLE_DECAY
+                    req.spec.recent_rejected *= IDLE_DECAY
+        wants = shared
         if self.config.speculative_algorithm == "draft":
             assert self.draft_model is not None, "speculative_algorithm draft: no draft model"
             for req, limit in wants:
@@ -204,6 +271,13 @@ class Speculative:
                     break
             req.spec.proposed = len(draft)
             req.draft = req.draft + draft
+
+    def _row_cost(self, batch: int) -> float:
+        """A drafted row's cost in tokens of a step of `batch` rows (speculative_row_cost)."""
+        share = self.config.speculative_row_cost
+        if share is None:
+            return self.cost.row_cost(batch)
+        return share * batch / (1 + share * batch)
 
     def _limit(self, req: Req) -> int:
         """How many tokens the drafter may add to the request's draft now (0: none)."""
@@ -262,7 +336,9 @@ class Speculative:
         return taken
 
     def _count(self, spec: Speculation, drafted: int, kept: int) -> None:
-        """A verified draft's counts (meta_info, /metrics)."""
+        """A verified draft's counts (meta_info, /metrics, the next drafts' share)."""
+        spec.recent_kept = KEEP_DECAY * spec.recent_kept + kept
+        spec.recent_rejected = KEEP_DECAY * spec.recent_rejected + (kept < drafted)
         spec.verify_ct += 1
         spec.draft_tokens += drafted
         spec.accepted_tokens += kept
@@ -283,17 +359,21 @@ class Speculative:
             spec.misses = 0
 
 
-def _share(wants: list[tuple[Req, int]], rows: int) -> list[tuple[Req, int]]:
-    """The drafter's tokens of each request within `rows` for the step: requests whose drafts
-    the model kept most (their share, (kept + 1) / (drafted + 2)) first, each up to its limit;
-    the order of `wants` among equals. Those left without rows draft nothing this step."""
-
-    def kept(req: Req) -> float:
-        spec = req.spec
-        return (spec.accepted_tokens + 1) / (spec.draft_tokens + 2) if spec else 0.5
-
-    shares = dict.fromkeys(range(len(wants)), 0)
-    for i in sorted(shares, key=lambda i: -kept(wants[i][0])):
-        shares[i] = min(wants[i][1], max(rows, 0))
-        rows -= shares[i]
+def _share(wants: list[tuple[Req, int]], rows: int, row_cost: float) -> list[tuple[Req, int]]:
+    """The drafter's tokens of each request within `rows` for the step. A request's k-th draft
+    token is kept with chance c ** k (c: its `keep_chance`); it is drafted where that beats
+    `row_cost` (a row's cost in tokens), the likeliest first, each request up to its limit, the
+    order of `wants` among equals. Those left without rows draft nothing this step."""
+    chances = []
+    for i, (req, limit) in enumerate(wants):
+        c = req.spec.keep_chance if req.spec is not None else 0.5
+        gain = c
+        for k in range(1, limit + 1):
+            if gain <= row_cost:
+                break
+            chances.append((-gain, i, k))
+            gain *= c
+    shares = [0] * len(wants)
+    for _, i, _ in sorted(chances)[: max(rows, 0)]:
+        shares[i] += 1
     return [(req, shares[i]) for i, (req, _) in enumerate(wants) if shares[i] > 0]
