@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weft.kernels import cpu_native
 from weft.runtime.attention import TorchAttention
 from weft.runtime.core import ForwardBatch
 from weft.runtime.kv_pool import KVPool, ReqToTokenPool
 
-from common import describe_device
+from common import cpu_kernels_or_exit, describe_device
 
 HQ, HKV, DIM = 14, 2, 64
 CPU = torch.device("cpu")
@@ -68,11 +67,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    native = cpu_native.native()
-    if native is None:
-        sys.exit(f"weft's CPU kernels do not run here: {cpu_native.why_not()}")
+    native = cpu_kernels_or_exit(args.threads)
     context = 4096
     pool = KVPool(8 * context + 1, 1, HKV, DIM, torch.bfloat16, CPU)
     table = ReqToTokenPool(10, context, CPU)

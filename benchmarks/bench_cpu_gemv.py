@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weft.kernels import cpu_gemv, cpu_native
+from weft.kernels import cpu_gemv
 
-from common import copy_bandwidth, describe_device
+from common import copy_bandwidth, cpu_kernels_or_exit, describe_device
 
 # (name, out, in, form): Qwen2.5-0.5B's linear layers as the Q4_K_M file keeps them
 SHAPES = [
@@ -105,11 +105,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    native = cpu_native.native()
-    if native is None:
-        sys.exit(f"weft's CPU kernels do not run here: {cpu_native.why_not()}")
+    native = cpu_kernels_or_exit(args.threads)
     copy = copy_bandwidth(torch.device("cpu"))
     print(f"# device: {describe_device(torch.device('cpu'))}; weft's {native.isa} kernels")
     print(f"# copy bandwidth (read + write): {copy:.1f} GB/s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -155,3 +156,16 @@ def cuda_graph_ms(fn: Callable[[], object], replays: int, warmups: int = 3) -> f
         times.append(start.elapsed_time(end))
     del graph
     return statistics.median(times)
+
+
+def cpu_kernels_or_exit(threads: int | None):
+    """weft's C kernels for this CPU (kernels/cpu_native.py) on `threads` torch threads, or the
+    benchmark exits saying why they do not run here."""
+    from weft.kernels import cpu_native
+
+    if threads:
+        torch.set_num_threads(threads)
+    native = cpu_native.native()
+    if native is None:
+        sys.exit(f"weft's CPU kernels do not run here: {cpu_native.why_not()}")
+    return native

@@ -217,16 +217,9 @@ def build(extra_flags: tuple[str, ...] = ()) -> NativeCPU:
     for name in ("weft_gemv_int8", "weft_gemv_int4"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
+        # (x, rows, K, w, scales, out, N, threads)
+        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 2, *[ctypes.c_void_p] * 3]
+        fn.argtypes += [ctypes.c_int] * 2
     attention = lib.weft_attention_rows
     attention.restype = ctypes.c_int
     attention.argtypes = [
