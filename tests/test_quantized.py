@@ -302,9 +302,12 @@ def test_decode_rows_get_the_bits_of_a_row_alone(tensors):
     with quant_rows(QuantRows(10)):  # another row count than the step's: not its rows
         assert torch.equal(weight.matmul(x, None), dense)
     # prompt tokens take the dense copy however few: a prompt's last token computes alike in a
-    # step of its own and beside a long prefill
-    with quant_rows(QuantRows(1, torch.tensor([], dtype=torch.long))):
-        assert torch.equal(weight.matmul(x[:1], None), weight._dense(x[:1], None))
+    # step of its own and beside a long prefill, wherever it sits in the product
+    prompt = QuantRows(1, torch.tensor([], dtype=torch.long))
+    for i in range(9):
+        with quant_rows(prompt):
+            assert torch.equal(weight.matmul(x[i : i + 1], None)[0], dense[i])
+        assert torch.equal(weight._dense(x[i:], None)[0], dense[i])
     assert torch.equal(weight.matmul(x[:1], None), alone[:1])  # undescribed: few rows quantized
 
 

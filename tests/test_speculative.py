@@ -194,7 +194,8 @@ def test_step_cost_fits_the_timed_steps():
 
 def test_a_speculating_batch_keeps_its_steps_within_the_row_budget(stories):
     """The default budget (on a CPU 8 rows, one pass of weft's kernels: 3 requests draft at
-    most 5 tokens among them a step); the outputs are those without speculation."""
+    most 5 tokens among them a step), every token the drafter has otherwise (row cost 0); the
+    outputs are those without speculation."""
     from weft.runtime.config import EngineConfig
     from weft.runtime.scheduler.speculative import STEP_ROWS
 
@@ -211,7 +212,7 @@ def test_a_speculating_batch_keeps_its_steps_within_the_row_budget(stories):
     plain = stories.generate(STORIES, GREEDY)
     runner.forward = counting
     try:
-        with speculating(stories, speculative_max_step_rows=None, speculative_row_cost=None):
+        with speculating(stories, speculative_max_step_rows=None):
             spec = stories.generate(STORIES, GREEDY)
     finally:
         del runner.forward
@@ -437,9 +438,8 @@ STORY = "Write a long story about a dragon who learns to bake bread in a small m
 
 
 def _uncached(engine, prompt, params):
-    """A generation from an empty prefix cache. NOTE: on real weights, a prompt after a cached
-    prefix takes the dense GEMM with other row counts, which rounds a row by where it sits in
-    the product: a repeat may then differ from the first run at a near tie."""
+    """A generation from an empty prefix cache (repeats from a warm one are checked apart:
+    test_a_repeat_from_the_prefix_cache_is_the_same_on_the_default_model)."""
     engine.flush_cache()
     return engine.generate(prompt, params)
 
@@ -478,6 +478,31 @@ def test_a_story_whose_drafts_miss_is_the_same_on_the_default_model():
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert alone["output_ids"] == plain[1]["output_ids"]
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in spec)
+
+
+def test_a_repeat_from_the_prefix_cache_is_the_same_on_the_default_model():
+    """The same greedy request from an empty cache, then with its prompt cached (its last token
+    computed alone: the dense copy's single-row product must round as the whole prompt's), in a
+    batch beside another prompt, and speculating: the same tokens and log-probabilities."""
+    engine = qwen_engine()
+    prompt = _chat(engine, STORY.replace("dragon", "fox"))
+    params = {"max_new_tokens": 64, "temperature": 0}
+
+    def run(prompts):
+        outs = engine.generate(prompts, params, return_logprob=True)
+        return outs if isinstance(outs, list) else [outs]
+
+    engine.flush_cache()
+    first = run(prompt)[0]
+    again = run(prompt)[0]
+    batch = run([_chat(engine, STORY), prompt])[1]
+    with speculating(engine):
+        spec = run(prompt)[0]
+    assert again["meta_info"]["cached_tokens"] > 0
+    logprobs = first["meta_info"]["output_token_logprobs"]
+    for out in (again, batch):
+        assert out["meta_info"]["output_token_logprobs"] == logprobs
+    assert spec["output_ids"] == first["output_ids"]
 
 
 def test_json_schema_with_speculation_on_the_default_model():

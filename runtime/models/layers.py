@@ -76,14 +76,14 @@ class QuantRows:
     """The rows of a step's [T, in] inputs that QuantWeights multiply with their quantized
     kernels, the others with the dense copy: `rows` None for all of them.
 
-    NOTE: weft's CPU kernels give each row the same bits whatever rows come with it; the dense
-    copy's GEMM rounds a row by the product's row count and where the row sits in it. The model
+    NOTE: weft's CPU kernels give each row the same bits whatever rows come with it. The model
     runner sends output tokens (decode steps, drafts to verify, a grammar's forced tokens)
-    through the quantized kernels whatever their count, so that a greedy token does not depend
-    on the batch it decodes in, nor on whether its request speculates (a verify step of 8 rows
-    must compute what 8 decode steps would); and prompt tokens through the dense copy whatever
-    their count (prefill speed), so a prompt computed after a cached prefix or in chunks may
-    round apart from the whole prompt at once.
+    through them whatever their count, so that a greedy token does not depend on the batch it
+    decodes in, nor on whether its request speculates (a verify step of 8 rows must compute what
+    8 decode steps would); and prompt tokens through the dense copy whatever their count
+    (prefill speed), whose GEMM gives a row the same bits in any product of 2 rows or more here
+    (a single row is multiplied as two: `_dense`), so a prompt computes alike whole, in chunks,
+    or after a cached prefix (tests/test_speculative.py checks the repeat).
     """
 
     total: int  # T: a linear of another row count (none in the models now) keeps the default
@@ -188,7 +188,14 @@ class QuantWeight(nn.Module):
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.dense is not None
-        return f32_linear(x, self.dense, bias) if wants_f32(x) else F.linear(x, self.dense, bias)
+        if wants_f32(x):
+            return f32_linear(x, self.dense, bias)
+        if x.shape[0] == 1:
+            # NOTE: torch multiplies a single row by another kernel, which rounds apart from that
+            # row in a product of several (2 or more agree, wherever the row sits): a prompt's
+            # last token recomputed after a cached prefix must get the bits of the whole prompt
+            return F.linear(x.expand(2, -1), self.dense, bias)[:1]
+        return F.linear(x, self.dense, bias)
 
     def _quantized(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.native is not None:

@@ -259,7 +259,11 @@ class Scheduler:
         self._launch(hidden, plans)
         if not self.overlap:
             self._resolve()
-            if self.speculative.enabled and batch.output_only_cpu and all(batch.output_only_cpu):
+            if (
+                self.speculative.times_steps
+                and batch.output_only_cpu
+                and all(batch.output_only_cpu)
+            ):
                 # a decode step's whole cost for its rows, what drafting weighs (StepCost)
                 self.speculative.cost.record(batch.num_tokens, time.perf_counter() - start)
         self.peak_running = max(self.peak_running, len(self.running))

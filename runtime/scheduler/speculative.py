@@ -215,6 +215,14 @@ class Speculative:
         return self.config.speculative_max_step_rows or STEP_ROWS.get(self.device_type, 512)
 
     @property
+    def times_steps(self) -> bool:
+        """Whether decode steps are timed for the row cost: on a CPU (a GPU's small steps are
+        bound by reading the weights; its rows keep the prior, 0), unless it is set."""
+        return (
+            self.enabled and self.device_type == "cpu" and self.config.speculative_row_cost is None
+        )
+
+    @property
     def enabled(self) -> bool:
         return self.config.speculative_algorithm is not None
 
