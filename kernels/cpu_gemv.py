@@ -29,7 +29,7 @@ def pack_int4(
 
 
 def reference_int4(x: torch.Tensor, packed: torch.Tensor, so: torch.Tensor) -> torch.Tensor:
-    """The torch twin of NativeGemv.int4, in float32."""
+    """The torch twin of cpu_native.NativeCPU.int4, in float32."""
     n = packed.shape[0]
     nib = packed.view(n, -1, GROUP // 2)
     q = torch.cat((nib & 15, nib >> 4), dim=-1).float()
@@ -38,5 +38,5 @@ def reference_int4(x: torch.Tensor, packed: torch.Tensor, so: torch.Tensor) -> t
 
 
 def reference_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The torch twin of NativeGemv.int8, in float32."""
+    """The torch twin of cpu_native.NativeCPU.int8, in float32."""
     return x.float() @ (q.float() * scale.float()[:, None]).t()

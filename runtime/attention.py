@@ -209,13 +209,13 @@ class TorchAttention(AttentionBackend):
         options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         self.store_kv(k, v, layer, batch)
+        if self.native is not None:
+            return self._attend_native(q, layer, options)
         pool = self.kv_pool
         k_buf, v_buf = pool.k_buffers[layer], pool.v_buffers[layer]
         k_scale, v_scale = pool.scales.k[layer], pool.scales.v[layer]
         num_tokens, num_heads, head_dim = q.shape
         window, cap, scale = options.sliding_window, options.logit_cap, options.scale
-        if self.native is not None:
-            return self._attend_native(q, layer, options)
         if batch.is_decode:
             slots, keep = self._decode_view(window, batch)
             # NOTE: index_select, not k_buf[slots]: it copies whole rows, ~3x faster on a CPU

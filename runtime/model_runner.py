@@ -282,10 +282,9 @@ class ModelRunner:
             from weft.runtime.triton_attention import TritonAttention
 
             return TritonAttention(self.kv_pool, self.req_to_token)
-        # weft's C attention on a CPU: a row's bits whatever the step (TorchAttention)
-        native = cpu_native.native() if self.device.type == "cpu" else None
-        if self.kv_pool.dtype not in (torch.bfloat16, torch.float32):
-            native = None
+        # weft's C attention on a CPU (bf16 / float32 KV): a row's bits whatever the step
+        c_kv = self.device.type == "cpu" and self.kv_pool.dtype in (torch.bfloat16, torch.float32)
+        native = cpu_native.native() if c_kv else None
         return TorchAttention(self.kv_pool, self.req_to_token, native=native)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:

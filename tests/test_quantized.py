@@ -90,7 +90,7 @@ CASES = [
 
 @pytest.fixture(params=["weft", "torch"])
 def kernels(request):
-    """Whose products QuantWeights take: weft's CPU kernels (kernels/cpu_gemv.py) or torch's."""
+    """Whose products QuantWeights take: weft's CPU kernels (kernels/cpu_native.py) or torch's."""
     if request.param == "weft" and cpu_native.native() is None:
         pytest.skip(f"weft's CPU kernels do not run here: {cpu_native.why_not()}")
     cpu_native.use(request.param == "weft")

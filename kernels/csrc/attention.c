@@ -1,4 +1,4 @@
-/* Attention of output tokens (decode, drafts to verify) over the paged KV cache, on a CPU.
+/* Attention over the paged KV cache on a CPU: every row (a prompt's, a decode step's, a draft's).
  *
  * Query row t (a token at position len[t] - 1 of its request) attends to the keys at positions
  * lo[t] .. len[t] - 1 of its request, whose KV slots are table[rows[t] * stride + j]:
@@ -6,12 +6,13 @@
  *   out[t, h] = sum_j softmax_j(s_j) v_j,   s_j = scale * q[t, h] . k_j   (c * tanh(s_j / c)
  *                                                                           with a cap c > 0)
  *
- * with k_j, v_j the KV head h / G (G = query heads per KV head). Each (row, KV head) is one task:
- * its G query heads share every key and value read. The keys are taken VL at a time from lo[t]
- * on, in one fixed order, with an online softmax in float32; so a row's result depends on its
- * own query and keys only, never on which rows come with it, how many threads run, or where
- * its buffers lie (the reason this kernel exists: torch's SDPA takes other paths, summing in
- * other orders, for a decode step, a verify step and a prompt).
+ * with k_j, v_j the KV head h / G (G = query heads per KV head). The G query heads of a KV head
+ * share every key and value read, and so do the rows of a tile (up to TILE consecutive rows of
+ * one request). The keys are taken VL at a time from lo[t] on, in one fixed order, with an
+ * online softmax in float32; so a row's result depends on its own query and keys only, never on
+ * which rows come with it, how many threads run, or where its buffers lie (the reason this
+ * kernel exists: torch's SDPA takes other paths, summing in other orders, for a decode step, a
+ * verify step and a prompt).
  *
  * q, out: float32 [T, Hq, D]. k, v: bfloat16 (kv_bf16) or float32 [slots, Hkv, D].
  */

@@ -31,6 +31,14 @@
 #define MAX_M 8
 #define GROUP 32
 
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
 /* The vector layer of the int8 product: KS int16 lanes a step. W16 widens KS int8 of w, XL
  * loads KS int16 of x, DPW adds the products of adjacent lane pairs into KS / 2 int32 lanes. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -81,6 +89,20 @@ typedef int32_t vi;
 
 /* Which vector path this build took: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (scalar C). */
 int weft_gemv_lanes(void) { return LANES; }
+
+/* The calling OpenMP thread's outputs [lo, hi) of n, in whole steps (the last thread takes the
+   rest). */
+static void thread_share(int n, int step, int *lo, int *hi) {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void), omp_get_num_threads(void);
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    int t = 0, nt = 1;
+#endif
+    int64_t units = n / step;
+    *lo = step * (int)(units * t / nt);
+    *hi = t == nt - 1 ? n : step * (int)(units * (t + 1) / nt);
+}
 
 static float *widen_x(const uint16_t *x, int m, int k) {
     float *xf = malloc((size_t)m * k * sizeof(float));

@@ -180,10 +180,13 @@ class StepCost:
     def row_cost(self, batch: int) -> float:
         """A drafted row's cost in tokens of a step of `batch` rows without drafts."""
         fit = self.fit()
-        if fit is None:
-            return self.prior * batch / (1 + self.prior * batch)
-        a, b = fit
-        return b * batch / (a + b * batch)
+        return _in_tokens(self.prior if fit is None else fit[1] / fit[0], batch)
+
+
+def _in_tokens(share: float, batch: int) -> float:
+    """A row costing `share` of a one-row step (a + b rows: share = b / a), in tokens of a step of
+    `batch` rows: b / ((a + b * batch) / batch)."""
+    return share * batch / (1 + share * batch)
 
 
 class Speculative:
@@ -255,12 +258,11 @@ class Speculative:
         forced = sum(len(req.draft) for req in reqs)
         rows = self.step_rows - len(reqs) - forced
         shared = _share(wants, rows, self._row_cost(len(reqs) + forced))
-        if len(shared) < len(wants):
-            drafting = {id(req) for req, _ in shared}
-            for req, _ in wants:
-                if id(req) not in drafting:
-                    req.spec.recent_kept *= IDLE_DECAY
-                    req.spec.recent_rejected *= IDLE_DECAY
+        drafting = {req for req, _ in shared}
+        for req, _ in wants:
+            if req not in drafting:
+                req.spec.recent_kept *= IDLE_DECAY
+                req.spec.recent_rejected *= IDLE_DECAY
         wants = shared
         if self.config.speculative_algorithm == "draft":
             assert self.draft_model is not None, "speculative_algorithm draft: no draft model"
@@ -283,9 +285,7 @@ class Speculative:
     def _row_cost(self, batch: int) -> float:
         """A drafted row's cost in tokens of a step of `batch` rows (speculative_row_cost)."""
         share = self.config.speculative_row_cost
-        if share is None:
-            return self.cost.row_cost(batch)
-        return share * batch / (1 + share * batch)
+        return self.cost.row_cost(batch) if share is None else _in_tokens(share, batch)
 
     def _limit(self, req: Req) -> int:
         """How many tokens the drafter may add to the request's draft now (0: none)."""
