@@ -119,13 +119,64 @@ def test_a_unique_token_draft_rejected_whole_changes_nothing():
     speculative = Speculative(EngineConfig(speculative_algorithm="ngram"), Memory(), None)
     req = _req([3, 41, 42, 43, 9, 3, 5], [1, 41])
     req.spec = spec = Speculation(limit=4)
-    draft = speculative._ngram(req, 4)
+    draft = speculative._ngram(req, 4, 4, None)
     assert draft == [42, 43, 9, 3] and spec.unique
     assert speculative.take_draft(req, draft, [0] * 5) == 0
     assert (spec.limit, spec.misses, spec.skip) == (4, 0, 0)
     assert (spec.verify_ct, spec.draft_tokens, spec.accepted_tokens) == (1, 4, 0)
     assert speculative.take_draft(req, draft, [42, 0, 0, 0, 0]) == 1
     assert spec.limit == 2  # kept 1: at most one more, as after any draft
+
+
+def test_a_repeat_under_a_grammar_goes_on_with_what_the_grammar_forces(stories_dir):
+    """An n-gram draft walked through the request's grammar: cut at the first token it forbids,
+    followed by the tokens it forces there (beyond the drafter's share, within `cap`), then by
+    what the text repeats after them; the grammar is left where it was."""
+    from transformers import AutoTokenizer
+
+    from weft.grammars.manager import GrammarManager, RequestGrammar
+    from weft.grammars.spec import GrammarSpec
+    from weft.grammars.vocab import TokenVocab
+    from weft.runtime.config import EngineConfig
+    from weft.runtime.scheduler.speculative import Speculation, Speculative
+
+    tokenizer = AutoTokenizer.from_pretrained(stories_dir)
+    vocab = TokenVocab.from_tokenizer(tokenizer, 512, [2])
+    manager = GrammarManager(lambda: vocab, order=("xgrammar",))
+    try:
+        spec = GrammarSpec("regex", r" name: [a-z]+, city: [a-z]+; age: [a-z]+\.")
+        compiled = manager.submit(spec).result(60)
+    finally:
+        manager.shutdown()
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def text(ids: list[int]) -> bytes:
+        return vocab.text_bytes(ids)
+
+    class Output:
+        end_ids = frozenset([2])
+        max_seq_len = 1000
+
+    speculative = Speculative(EngineConfig(speculative_algorithm="ngram"), None, Output())
+    req = _req(encode("name: tom, age: six; city: rome."), encode("name: lily,"))
+    req.spec = Speculation(limit=7)
+    grammar = RequestGrammar(compiled, [2])
+    for tid in req.output_ids:
+        assert grammar.accept(tid)
+    # ',' occurred once: the text goes on with " age", which the grammar forbids here
+    assert text(speculative._ngram(req, 7, 7, None)) == b" age: six"
+    forced = grammar.draft(16)
+    assert text(forced) == b" city:"  # (the space after may merge: not settled)
+    draft = speculative._ngram(req, 7, 7, grammar)
+    assert text(draft) == b" city: rome"  # forced, then the prompt's "city: " repeats
+    assert grammar.draft(16) == forced  # rolled back
+    assert all(grammar.accept(tid) for tid in draft)
+    grammar.rollback(len(draft))
+    # a share of 2: the forced tokens go past it (to the cap), the repeat after them does not
+    assert speculative._ngram(req, 2, 7, grammar) == forced
+    assert speculative._ngram(req, 2, 3, grammar) == forced[:3]
 
 
 def test_drafts_shrink_to_what_is_kept_and_back_off_after_misses():

@@ -20,8 +20,9 @@ uniform per sampled row, so its seed picks another sample than without speculati
 Draft sources, in order: the grammar's forced tokens (jump-forward, `Constrained._draft`), then
 the drafter of speculative_algorithm: ngram, what the text repeats (the tokens that followed the
 latest earlier occurrence of the request's last NGRAM_MAX .. NGRAM_MIN tokens in its prompt and
-output, or else of its last token where that occurred once, `NgramIndex`); draft, a small model
-of the same tokenizer (`draft_model.DraftModel`).
+output, or else of its last token where that occurred once, `NgramIndex`; under a grammar, cut
+where it forbids the repeat and continued with what it forces there, `Speculative._ngram`); draft,
+a small model of the same tokenizer (`draft_model.DraftModel`).
 The draft model drafts greedily (argmax), so its drafts are deterministic too: q is a point mass
 and the proof above holds as it stands. (A sampled draft would need the general rule, p and q
 at every drafted position.)
@@ -33,6 +34,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Collection
 
+from weft.grammars.manager import RequestGrammar
 from weft.runtime.config import EngineConfig
 from weft.runtime.core import Req
 from weft.runtime.scheduler.draft_model import DraftModel, Fill
@@ -271,16 +273,24 @@ class Speculative:
             wants = [(req, limit) for req, limit in wants if req not in defer]
             drafts = self.draft_model.propose(wants, fill=fill)
         else:
-            drafts = [self._ngram(req, limit) for req, limit in wants]
-        ends = self.output.end_ids
+            # rows the shares leave: for the tokens a grammar forces after a request's repeat
+            spare = rows - sum(limit for _, limit in wants)
+            drafts = []
+            for req, limit in wants:
+                grammar = req.grammar if req not in defer else None
+                cap = limit + max(min(spare, self._room(req) - limit), 0)
+                drafts.append(self._ngram(req, limit, cap, grammar))
+                spare -= max(len(drafts[-1]) - limit, 0)
         for (req, _), draft in zip(wants, drafts, strict=True):
-            stops = req.params.stop_token_ids
-            for i, tid in enumerate(draft):
-                if tid in ends or tid in stops:
-                    del draft[i:]
-                    break
+            del draft[self._before_end(req, draft) :]
             req.spec.proposed = len(draft)
             req.draft = req.draft + draft
+
+    def _before_end(self, req: Req, draft: list[int]) -> int:
+        """How many of the draft's tokens come before its first end or stop token."""
+        stops = req.params.stop_token_ids
+        ends = self.output.end_ids
+        return next((i for i, tid in enumerate(draft) if tid in ends or tid in stops), len(draft))
 
     def _row_cost(self, batch: int) -> float:
         """A drafted row's cost in tokens of a step of `batch` rows (speculative_row_cost)."""
@@ -302,19 +312,61 @@ class Speculative:
         if spec.skip > 0:
             spec.skip -= 1
             return 0
-        room = min(req.remaining_new_tokens, self.output.max_seq_len - req.seq_len) - 1
-        limit = min(room, self.config.speculative_num_draft_tokens) - len(req.draft)
-        return min(limit, spec.limit)
+        return min(self._room(req), spec.limit)
 
-    @staticmethod
-    def _ngram(req: Req, limit: int) -> list[int]:
+    def _room(self, req: Req) -> int:
+        """Most tokens the drafter may add to the request's draft: within its token limit and
+        speculative_num_draft_tokens, with room for the model's token after them."""
+        room = min(req.remaining_new_tokens, self.output.max_seq_len - req.seq_len) - 1
+        return min(room, self.config.speculative_num_draft_tokens) - len(req.draft)
+
+    def _ngram(self, req: Req, limit: int, cap: int, grammar: RequestGrammar | None) -> list[int]:
+        """Up to `limit` tokens of what the text repeats after the request's draft so far. Under
+        a grammar, they are walked through it: cut at the first it forbids, and each cut or end
+        of a repeat followed by the tokens the grammar then forces (`RequestGrammar.draft`),
+        whereupon the text may repeat again; `cap` tokens in all. (A JSON value copied from the
+        prompt, cut by the grammar at its closing quote, goes on with the next key the schema
+        forces: those rows would otherwise be fed and rejected, and the key cost a step.)"""
         spec = req.spec
         spec.index.update(req)
-        draft = spec.index.propose(req, req.draft, limit)
-        if not draft:
-            draft = spec.index.propose_unique(req, req.draft, limit)
-            spec.unique = bool(draft)
-        return draft
+        draft = self._repeat(req, req.draft, limit)
+        spec.unique = bool(draft) and not spec.index.propose(req, req.draft, 1)
+        if grammar is None:
+            return draft
+        taken = 0  # tokens the grammar took, to roll back
+        out: list[int] = []
+        try:
+            for tid in req.draft:  # (its own forced tokens: it takes them)
+                if not grammar.accept(tid):
+                    return []
+                taken += 1
+            while draft:
+                for tid in draft[: self._before_end(req, draft)]:
+                    if not grammar.accept(tid):
+                        break
+                    taken += 1
+                    out.append(tid)
+                forced = grammar.draft(cap - len(out))
+                forced = forced[: self._before_end(req, forced)]
+                for tid in forced:
+                    if not grammar.accept(tid):
+                        raise RuntimeError(f"the grammar forced token {tid}, then refused it")
+                    taken += 1
+                    out.append(tid)
+                if not forced or len(out) >= min(limit, cap):
+                    break
+                draft = self._repeat(req, req.draft + out, limit - len(out))
+        except Exception:  # NOTE: a backend's bug: the step's mask fill meets it, ends the request
+            return []
+        finally:
+            grammar.rollback(taken)
+        return out
+
+    @staticmethod
+    def _repeat(req: Req, tail: list[int], limit: int) -> list[int]:
+        """The n-gram drafter's tokens after the request's tokens and `tail`."""
+        index = req.spec.index
+        return index.propose(req, tail, limit) or index.propose_unique(req, tail, limit)
 
     def forget(self, req: Req) -> None:
         """The request is done, aborted or retracted: the draft model frees its KV of it."""
