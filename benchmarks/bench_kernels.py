@@ -377,6 +377,59 @@ def bench_fp8_rows(dev: torch.device, g: torch.Generator) -> list[Row]:
     return rows
 
 
+def bench_fp8_prefill(dev: torch.device, g: torch.Generator) -> list[Row]:
+    """The channel form's matmul at prompt sizes (512-8192 rows), where it is compute-bound: the
+    rowwise torch._scaled_mm as FP8Weight calls it (x quantized per row first), its parts (the
+    quantization alone; the product of x already in e4m3, with cuBLAS's fp32 accumulation and
+    with its fast accumulation), and the Triton scaled matmul. torch column: bf16 F.linear."""
+    from weft.kernels.fp8_matmul import fp8_matmul
+    from weft.kernels.fp8_quant import quantize_rows_fp8
+    from weft.runtime.models.fp8 import FP8Weight, quantize_weight
+
+    rows = []
+    for n, k in LINEARS:
+        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
+        q, scale = quantize_weight(w, None)
+        weight = FP8Weight(q, scale, (1, k), dtype=torch.bfloat16, origin="load")
+        shape = f"N={n} K={k}"
+        for m in (512, 2048, 8192):
+            x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+            xq, xs = quantize_rows_fp8(x, None)
+            moved = n * k + n * 4 + 2 * m * (k + n)
+            kw: dict[str, Any] = {"flops": 2 * m * n * k}
+            kw["torch_ms"] = bench_graph(lambda w=w, x=x: F.linear(x, w))
+
+            def mm(xq: torch.Tensor, xs: torch.Tensor, fast: bool, q=q, s=scale) -> torch.Tensor:
+                return torch._scaled_mm(
+                    xq,
+                    q.t(),
+                    scale_a=xs,
+                    scale_b=s.view(1, -1),
+                    out_dtype=torch.bfloat16,
+                    use_fast_accum=fast,
+                )
+
+            cases: list[tuple[str, Callable[[], object], int]] = [
+                ("scaled_mm (as served)", lambda wt=weight, x=x: wt.matmul_path(x, None), moved),
+                ("quantize x alone", lambda x=x: quantize_rows_fp8(x, None), 3 * m * k + 4 * m),
+                ("scaled_mm, x in e4m3", lambda xq=xq, xs=xs: mm(xq, xs, False), moved),
+                ("scaled_mm fast accum", lambda xq=xq, xs=xs: mm(xq, xs, True), moved),
+                (
+                    "triton scaled matmul",
+                    lambda xq=xq, xs=xs, q=q, s=scale, k=k: fp8_matmul(xq, xs, q, s, (1, k)),
+                    moved,
+                ),
+            ]
+            for name, fn, nbytes in cases:
+                flops = kw["flops"] if "quantize" not in name else 0
+                rows.append(
+                    timed(
+                        f"fp8 {name} M={m}", shape, fn, nbytes, flops=flops, torch_ms=kw["torch_ms"]
+                    )
+                )
+    return rows
+
+
 SAMPLE_VOCABS = (128256, 151936)  # Llama-3, Qwen2
 
 
@@ -420,24 +473,41 @@ def bench_sampling(dev: torch.device, g: torch.Generator) -> list[Row]:
     ]
 
 
-def sweep(dtype: torch.dtype, dev: torch.device, g: torch.Generator) -> None:
-    """Graph-replay times of the attention kernels' tile/launch settings (for choosing defaults)."""
+def sweep(dtype: torch.dtype, dev: torch.device, g: torch.Generator, kv_fp8: bool = False) -> None:
+    """Graph-replay times of the attention kernels' tile/launch settings (for choosing defaults).
+    kv_fp8: decode only, over an FP8 (e4m3) KV pool (--kv-cache-dtype fp8_e4m3)."""
     from weft.kernels.decode_attention import decode_attention
     from weft.kernels.extend_attention import extend_attention
 
-    for batch, seq, splits in ((64, 4096, 2), (64, 4096, 4), (1, 32768, 64), (256, 1024, 1)):
+    cases = ((64, 4096, 2), (64, 4096, 4), (1, 32768, 64), (256, 1024, 1))
+    if kv_fp8:  # (the offline 4096/2048 workload's batch 64 at ~5,000 tokens of context)
+        cases = ((64, 5120, 2), (64, 5120, 4), (64, 5120, 8), (1, 32768, 64))
+    for batch, seq, splits in cases:
         k_buf, v_buf, table = paged_pool([seq] * batch, dtype, dev, g)
+        if kv_fp8:
+            k_buf, v_buf = k_buf.to(torch.float8_e4m3fn), v_buf.to(torch.float8_e4m3fn)
         q = torch.randn((batch, HQ, D), device=dev, dtype=dtype, generator=g)
         idx = torch.arange(batch, device=dev)
         lens = torch.full((batch,), seq, device=dev)
-        moved = 2 * batch * seq * HKV * D * dtype.itemsize
-        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+        moved = 2 * batch * seq * HKV * D * k_buf.dtype.itemsize
+        settings = itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))
+        if kv_fp8:  # (halved tiles move half the bytes: the larger ones)
+            settings = itertools.product((64, 128, 256), (2, 4, 8), (2, 3, 4))
+        for block_n, warps, stages in settings:
             kw = dict(num_kv_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
-            ms = bench_graph(
-                functools.partial(decode_attention, q, k_buf, v_buf, table, idx, lens, 0.1, **kw)
-            )
+            try:
+                ms = bench_graph(
+                    functools.partial(
+                        decode_attention, q, k_buf, v_buf, table, idx, lens, 0.1, **kw
+                    )
+                )
+            except Exception as exc:  # e.g. out of shared memory for large tiles
+                print(f"decode B={batch} L={seq} {kw}: failed ({type(exc).__name__})")
+                continue
             print(f"decode B={batch} L={seq} {kw}: {ms:.3f} ms {moved / ms / 1e6:.0f} GB/s")
         del k_buf, v_buf
+    if kv_fp8:
+        return
     ext = [4096] * 4
     k_buf, v_buf, table = paged_pool(ext, dtype, dev, g)
     q = torch.randn((sum(ext), HQ, D), device=dev, dtype=dtype, generator=g)
@@ -478,6 +548,14 @@ def main() -> None:
     p.add_argument(
         "--fp8-rows", action="store_true", help="time the FP8 matmul's ways at 16-128 rows only"
     )
+    p.add_argument(
+        "--fp8-prefill",
+        action="store_true",
+        help="time the FP8 matmul's ways at 512-8192 rows (prompts) only",
+    )
+    p.add_argument(
+        "--kv-fp8", action="store_true", help="with --sweep: decode over an FP8 KV pool only"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit(
@@ -489,7 +567,7 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     print(f"device: {describe_device(dev)}")
     if args.sweep:
-        sweep(dtype, dev, g)
+        sweep(dtype, dev, g, kv_fp8=args.kv_fp8)
         return
     peak_bw, peak_flops = copy_gbps(dev), matmul_tflops(dev)
     print(f"measured: copy {peak_bw:.0f} GB/s (read + write), bf16 matmul {peak_flops:.0f} TFLOP/s")
@@ -500,6 +578,8 @@ def main() -> None:
         rows = bench_fp8(dev, g)
     elif args.fp8_rows:
         rows = bench_fp8_rows(dev, g)
+    elif args.fp8_prefill:
+        rows = bench_fp8_prefill(dev, g)
     else:
         rows = bench_attention(dtype, dev, g) + bench_elementwise(dtype, dev, g)
         rows += bench_sampling(dev, g) + bench_fp8(dev, g)
