@@ -68,3 +68,43 @@ def test_output_only_marks_requests_past_their_prompts():
     batch, _ = build_batch([(prompt, 6), (decoding, 1), (drafting, 3)], memory, torch.device("cpu"))
     assert batch.extend_lens_cpu == [6, 1, 3]
     assert batch.output_only_cpu == [False, True, True]
+
+
+def test_drafts_fed_as_token_rows_apart():
+    """token_rows_apart: every token a one-token request (its req_to_token row, its position + 1
+    as its length), so a step of decodes and drafts is a decode batch (CUDA graphs replay it);
+    the rows and their plans are those of the usual layout. verify_rows_apart takes it where a
+    step feeds drafts behind decode tokens only, within the graphs' rows."""
+    from weft.runtime.scheduler.batch_builder import verify_rows_apart
+
+    memory = _memory()
+    decoding = Req("decoding", [7] * 3, SamplingParams(max_new_tokens=8))
+    drafting = Req("drafting", [8] * 4, SamplingParams(max_new_tokens=8))
+    prompt = Req("prompt", [5] * 6, SamplingParams(max_new_tokens=8))
+    for req in (decoding, drafting, prompt):
+        memory.admit(req)
+        req.kv_len = len(req.input_ids)
+        req.output_ids.append(9)
+    drafting.draft = [1, 2]
+    work = [(decoding, 1), (drafting, 3)]
+    assert verify_rows_apart(work, 4) and not verify_rows_apart(work, 3)
+    assert not verify_rows_apart(work, None)
+    assert not verify_rows_apart([(decoding, 1)], 8)  # no drafts: a decode batch anyway
+    prompt.kv_len = 0
+    assert not verify_rows_apart([*work, (prompt, 6)], 64)  # a prompt: an extend step
+    together, plans = build_batch(work, memory, torch.device("cpu"))
+    for req in (decoding, drafting):
+        memory.truncate(req, req.kv_len)  # (the slots again, for the second layout)
+    apart, apart_plans = build_batch(work, memory, torch.device("cpu"), token_rows_apart=True)
+    assert together.extend_lens_cpu == [1, 3] and not together.is_decode
+    assert apart.is_decode and apart.batch_size == 4
+    assert apart.seq_lens.tolist() == [4, 5, 6, 7]
+    assert apart.prefix_lens.tolist() == [3, 4, 5, 6]
+    rows = [decoding.req_pool_idx] + [drafting.req_pool_idx] * 3
+    assert apart.req_pool_indices.tolist() == rows
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert getattr(apart, name).tolist() == getattr(together, name).tolist(), name
+    assert apart.output_only_cpu == [True] * 4
+    assert [(p.sample_row, p.draft) for p in apart_plans] == [
+        (p.sample_row, p.draft) for p in plans
+    ]

@@ -322,6 +322,46 @@ def test_constrained_greedy_is_the_same_with_speculation(request, schedule):
     assert spec["meta_info"]["spec_verify_ct"] > 0 and _accepted([spec]) > 0
 
 
+def test_drafts_fed_as_decode_rows_give_the_same_tokens(stories):
+    """Where CUDA graphs replay decode steps, a step of drafts feeds each draft token as a
+    request of its own (build_batch's token_rows_apart), a decode batch the graphs replay (on a
+    CPU, forced here): the greedy outputs, constrained too, are those without speculation."""
+    scheduler = stories.scheduler
+    runner = scheduler.runner
+    verify_steps: list[bool] = []  # per step that fed drafts: was it a decode batch?
+    forward = runner.forward
+
+    def watching(batch):
+        rows = len(batch.input_ids)
+        if (
+            batch.output_only_cpu
+            and all(batch.output_only_cpu)
+            and rows > len(set(batch.req_pool_indices.tolist()))
+        ):
+            verify_steps.append(batch.is_decode and batch.batch_size == rows)
+        return forward(batch)
+
+    stories.flush_cache()
+    plain = stories.generate(STORIES, GREEDY)
+    record = '{"name": "lily", "mood": "happy", "place": "the park"}'
+    constrained = {**GREEDY, "regex": REGEX}
+    plain_regex = stories.generate(f"{record}\n{record}\n", constrained)
+    saved = scheduler.verify_graph_rows
+    scheduler.verify_graph_rows = saved or 64
+    runner.forward = watching
+    try:
+        with speculating(stories):
+            spec = stories.generate(STORIES, GREEDY)
+            spec_regex = stories.generate(f"{record}\n{record}\n", constrained)
+    finally:
+        del runner.forward
+        scheduler.verify_graph_rows = saved
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert spec_regex["output_ids"] == plain_regex["output_ids"]
+    assert _accepted(spec) >= 20 and _accepted([spec_regex]) > 0
+    assert verify_steps and all(verify_steps)
+
+
 def test_stop_strings_and_token_limits_inside_a_draft(stories):
     prompt = STORIES[0]
     plain = stories.generate(prompt, GREEDY)

@@ -30,6 +30,8 @@ def build_batch(
     work: list[tuple[Req, int]],
     memory: MemoryManager,
     device: torch.device,
+    *,
+    token_rows_apart: bool = False,
 ) -> tuple[ForwardBatch, list[RowPlan]]:
     """Allocates the step's KV slots and lays the requests' new tokens out contiguously.
 
@@ -37,6 +39,11 @@ def build_batch(
     `ForwardBatch.feed_pending` from the previous step's sampled ids, on the device, not from
     the host: that sampling may be launched after this layout.
     A work item past the end of a request's tokens feeds that many tokens of its draft.
+
+    token_rows_apart: every new token is a request of the batch of its own (its req_to_token
+    row, its position + 1 as its length): a decode batch (`ForwardBatch.is_decode`) even where
+    drafts are fed, which a CUDA graph of decode steps replays (`verify_rows_apart`). Each
+    token's K/V is stored before any row attends, so a draft token sees those before it.
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -66,12 +73,13 @@ def build_batch(
             ids.extend(req.tokens(start, start + n))
         positions.extend(range(start, start + n))
         assert req.req_pool_idx is not None
-        rows.append(req.req_pool_idx)
         token_rows.extend([req.req_pool_idx] * n)
-        seq_lens.append(start + n)
-        prefix_lens.append(start)
-        ext_lens.append(n)
-        output_only.append(start >= len(req.input_ids))
+        for lo, size in [(start + j, 1) for j in range(n)] if token_rows_apart else [(start, n)]:
+            rows.append(req.req_pool_idx)
+            seq_lens.append(lo + size)
+            prefix_lens.append(lo)
+            ext_lens.append(size)
+            output_only.append(lo >= len(req.input_ids))
         plan = RowPlan(req, n, draft=list(draft))
         base = len(ids) - n
         for q in _scored_positions(req, start, n):
@@ -132,6 +140,19 @@ def build_batch(
     if future_at:
         batch.pending_at, batch.pending_rows = dev["future_at"], dev["future_rows"]
     return batch, plans
+
+
+def verify_rows_apart(work: list[tuple[Req, int]], max_rows: int | None) -> bool:
+    """Whether a step's tokens go as requests of one token each (`build_batch`'s
+    token_rows_apart): where it feeds drafts behind decode tokens only, and a CUDA graph of
+    `max_rows` rows or more can replay it (None: no graphs). Its verify rows then cost what a
+    decode batch of as many rows costs, without the whole step running eagerly. (Each row reads
+    its request's KV in full: for long contexts at small batches, more than an extend step.)"""
+    if max_rows is None:
+        return False
+    rows = sum(n for _, n in work)
+    drafts = rows > len(work)
+    return drafts and rows <= max_rows and all(req.seq_len - req.kv_len == 1 for req, _ in work)
 
 
 def _scoring_only(req: Req) -> bool:

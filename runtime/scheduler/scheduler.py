@@ -25,7 +25,7 @@ from weft.runtime.model_runner import ModelRunner
 from weft.runtime.sampler import sample_on_device
 from weft.runtime.scheduler.admission import Admission, default_chunk_size
 from weft.runtime.scheduler.arrivals import Arrivals
-from weft.runtime.scheduler.batch_builder import RowPlan, build_batch
+from weft.runtime.scheduler.batch_builder import RowPlan, build_batch, verify_rows_apart
 from weft.runtime.scheduler.constrained import Constrained, MaskJob
 from weft.runtime.scheduler.draft_model import DraftModel, check_draft_model, load_draft_model
 from weft.runtime.scheduler.memory import MemoryManager
@@ -125,6 +125,9 @@ class Scheduler:
             lpm=config.schedule_policy == "lpm",
         )
         self.overlap = overlap_schedule(config, runner.device)
+        # most rows of a step with drafts that a CUDA graph replays (None: such steps run eagerly)
+        graphs = runner.graphs
+        self.verify_graph_rows: int | None = graphs.max_bs if graphs is not None else None
         self.profile = step_profile(config.profile_steps, runner.device)  # a no-op when off
         self.grammar_wait: list[Req] = []  # waiting for their grammar to compile
         self.waiting: list[Req] = []
@@ -240,7 +243,8 @@ class Scheduler:
         """The forward of the step's work; the previous step's tokens are read back while it
         runs (overlap schedule), this step's right after it otherwise."""
         start = time.perf_counter()
-        batch, plans = build_batch(work, self.memory, self.runner.device)
+        apart = verify_rows_apart(work, self.verify_graph_rows)
+        batch, plans = build_batch(work, self.memory, self.runner.device, token_rows_apart=apart)
         self.profile.mark("sched")
         failed = self._sample()  # the previous step's: its masks were filled meanwhile
         prev = self._inflight
