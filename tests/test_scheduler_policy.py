@@ -197,6 +197,12 @@ def test_drafts_ride_behind_a_decode_where_kv_allows():
     decision = _admission(FakeMemory(available=100)).schedule(running, [], in_flight=True)
     # p reads its token back before its draft can follow it; q's token goes from the device
     assert _rids(decision) == [("q", 1)]
+    # within a CUDA graph's rows (draft_rows): 3 decodes of 7 rows leave 4 for drafts
+    running = [decode("a", [5, 6, 7]), decode("b", [8, 9]), decode("c", [4])]
+    admission = _admission(FakeMemory(available=100))
+    admission.draft_rows = 7
+    decision = admission.schedule(running, [], in_flight=False)
+    assert _rids(decision) == [("a", 4), ("b", 1), ("c", 2)]
 
 
 def test_the_reserved_share_decays_to_its_floor():

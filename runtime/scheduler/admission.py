@@ -65,6 +65,10 @@ class Admission:
         self.max_seq_len = max_seq_len
         self.lpm = lpm  # longest cached prefix first, else first come first served
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # most rows of a decode step that feeds drafts (None: KV is the only bound): the rows a
+        # CUDA graph replays, past which the step would run eagerly; a draft that does not fit
+        # waits (its request decodes one token; the grammar or drafter drafts again after it)
+        self.draft_rows: int | None = None
 
     def decode_short(self, running: list[Req]) -> bool:
         """Whether the decoding requests need more KV than there is (`schedule` retracts)."""
@@ -80,12 +84,17 @@ class Admission:
         work: list[tuple[Req, int]] = []
         committed = 0
         spare = self.memory.available - _decoding(running)  # KV for drafts, past one per decode
+        decoding = []
         for req in running:
             remaining = req.seq_len - req.kv_len
             if remaining != 1 or self._ends_with_pending(req):
                 continue
             if req.pending is not None and _draft_len(req) >= OVERLAP_MIN_DRAFT:
                 continue  # its draft follows the token on the device: read that back first
+            decoding.append(req)
+        if self.draft_rows is not None:  # (rows past the decode tokens' own)
+            spare = min(spare, self.draft_rows - len(decoding))
+        for req in decoding:
             n = 1
             if req.pending is None and 0 < len(req.draft) <= spare:
                 n += len(req.draft)  # build_batch feeds the draft behind the token

@@ -128,6 +128,8 @@ class Scheduler:
         # most rows of a step with drafts that a CUDA graph replays (None: such steps run eagerly)
         graphs = runner.graphs
         self.verify_graph_rows: int | None = graphs.max_bs if graphs is not None else None
+        self.speculative.graph_rows = self.verify_graph_rows
+        self._cap_draft_rows()
         self.profile = step_profile(config.profile_steps, runner.device)  # a no-op when off
         self.grammar_wait: list[Req] = []  # waiting for their grammar to compile
         self.waiting: list[Req] = []
@@ -164,6 +166,14 @@ class Scheduler:
         # timeouts); the admission limits and the grammar manager stay as built
         self.constrained.config = config
         self.speculative.config = config
+        self._cap_draft_rows()
+
+    def _cap_draft_rows(self) -> None:
+        """Where CUDA graphs replay decode steps, a step's drafts stay within the largest graph's
+        rows (or speculative_max_step_rows where set larger): a step past them runs eagerly."""
+        graph_rows = self.verify_graph_rows
+        explicit = self.config.speculative_max_step_rows or 0
+        self.admission.draft_rows = None if graph_rows is None else max(graph_rows, explicit)
 
     @property
     def grammars(self) -> GrammarManager:

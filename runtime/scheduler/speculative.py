@@ -210,14 +210,19 @@ class Speculative:
         self.memory = memory
         self.output = output
         self.draft_model = draft_model  # with speculative_algorithm draft
+        self.graph_rows: int | None = None  # the largest CUDA graph's rows (None: no graphs)
         self.verify_ct = 0  # over all requests, for /metrics
         self.draft_tokens = 0
         self.accepted_tokens = 0
 
     @property
     def step_rows(self) -> int:
-        """Most rows a speculating decode step feeds (speculative_max_step_rows)."""
-        return self.config.speculative_max_step_rows or STEP_ROWS.get(self.device_type, 512)
+        """Most rows a speculating decode step feeds (speculative_max_step_rows; unset, within
+        the rows a CUDA graph replays where they are captured)."""
+        if self.config.speculative_max_step_rows:
+            return self.config.speculative_max_step_rows
+        rows = STEP_ROWS.get(self.device_type, 512)
+        return rows if self.graph_rows is None else min(rows, self.graph_rows)
 
     @property
     def times_steps(self) -> bool:

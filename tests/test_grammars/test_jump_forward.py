@@ -279,21 +279,34 @@ def _same_distribution_p(a: list[int], b: list[int]) -> float:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_no_drafts_beside_cuda_graphs_unless_enabled(stories_dir):
-    # a step that feeds a draft runs eagerly for the whole batch: slower than the steps it saves
-    # where decode steps replay CUDA graphs (benchmarks/RESULTS.md), so drafts are off there
+def test_drafts_beside_cuda_graphs_replay_them(stories_dir):
+    # a step that feeds drafts lays its draft tokens out as rows of a decode batch, which the
+    # decode graphs replay: jump-forward is on beside them, and its steps run no eager forward
     params = {"temperature": 0, "max_new_tokens": 40, "regex": PROSE}
-    by_default = make_engine(stories_dir, max_total_tokens=4096)
-    enabled = make_engine(stories_dir, max_total_tokens=4096, enable_jump_forward=True)
+    engine = make_engine(stories_dir, max_total_tokens=4096)
+    runner = engine.runner
+    eager: list[int] = []
+    model = runner.model
+    forward = model.forward
+
+    def counting(batch, attention):
+        if batch.output_only_cpu and all(batch.output_only_cpu):
+            eager.append(len(batch.input_ids))  # (graph replays do not call the module)
+        return forward(batch, attention)
+
     try:
-        assert by_default.runner.graphs is not None
-        plain = by_default.generate(["Once upon a time"] * 3, params)
-        jumped = enabled.generate(["Once upon a time"] * 3, params)
+        assert runner.graphs is not None
+        with jump_forward_off(engine):
+            plain = engine.generate(["Once upon a time"] * 3, params)
+        replays = runner.graphs.num_replays
+        model.forward = counting
+        jumped = engine.generate(["Once upon a time"] * 3, params)
     finally:
-        by_default.shutdown()
-        enabled.shutdown()
+        del model.forward
+        engine.shutdown()
     assert _jumped(plain) == 0 and _jumped(jumped) > 0
     assert [o["text"] for o in plain] == [o["text"] for o in jumped]
+    assert runner.graphs.num_replays > replays and eager == []
 
 
 def test_enable_and_disable_jump_forward_contradict(stories_dir):
