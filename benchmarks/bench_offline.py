@@ -174,6 +174,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=512, help="the prefill rate's prompt")
     p.add_argument("--cpu-float32-products", action="store_true", help="see weft serve --help")
+    p.add_argument("--quantized-prefill", action="store_true", help="see weft serve --help")
     p.add_argument("--groups", type=int, default=2, help="shared-prefix: number of groups")
     p.add_argument("--system-len", type=int, default=512, help="shared-prefix: prefix tokens")
     p.add_argument("--compare-no-cache", action="store_true")
@@ -193,6 +194,7 @@ def main() -> None:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_float32_products=args.cpu_float32_products,
+        quantized_prefill=args.quantized_prefill,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,

@@ -65,9 +65,10 @@ class EngineConfig:
     quantized_prefill: bool = option(
         False,
         "with quantization gguf, run prefill through the quantized kernels too (default: a "
-        "bfloat16 copy of each quantized weight serves steps of more than 4 rows, as torch's "
-        "int4 / int8 CPU matmuls are ~8x slower than bfloat16 GEMM there; on: ~half the "
-        "memory, slower prefill)",
+        "bfloat16 copy of each quantized weight serves steps of more than 4 rows where the CPU "
+        "has bf16 in hardware, as bf16 GEMM is faster there; on a CPU without it, with weft's "
+        "kernels and cpu_float32_products off, prefill takes the kernels anyway: ~half the "
+        "memory)",
     )
     context_length: int | None = option(
         None, "max tokens of prompt + output (default: the model's)"

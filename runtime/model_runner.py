@@ -75,6 +75,19 @@ def _activation_text(dtype: torch.dtype, device: torch.device) -> str:
     return f"activations {name} (CPU without bf16 in hardware)"
 
 
+def quantized_prefill(config: EngineConfig, quantized: list[QuantWeight]) -> bool:
+    """Whether prompts multiply GGUF weights with the quantized kernels too (no bf16 copy):
+    where asked (quantized_prefill), or on a CPU without bf16 in hardware where weft's kernels
+    run and the float32 products are off. There torch emulates a bf16 GEMM at ~a quarter of its
+    float32 rate; weft's kernels widen the weights to float32 in registers (2-core AMD EPYC capped
+    to AVX2: 162 against 59 prompt tok/s, benchmarks/RESULTS.md), give a prompt's rows the bits
+    of decode rows, and the copy's memory (2 bytes a weight) is not held."""
+    if config.quantized_prefill:
+        return True
+    native = bool(quantized) and quantized[0].native is not None
+    return native and not cpu_bf16_flags() and not widen_bf16_gemm()
+
+
 def _weights_text(
     quantized: list[QuantWeight],
     dtype: torch.dtype,
@@ -204,7 +217,8 @@ class ModelRunner:
         self.model.eval()
         quantized = [m for m in self.model.modules() if isinstance(m, QuantWeight)]
         fp8 = [m for m in self.model.modules() if isinstance(m, FP8Weight)]
-        if config.quantized_prefill:
+        self.quantized_prefill = quantized_prefill(config, quantized)
+        if self.quantized_prefill:
             for weight in quantized:
                 weight.drop_dense()
         # weft's CPU kernels give a row the same bits in any step: the output tokens of decode,
@@ -230,7 +244,7 @@ class ModelRunner:
             _activation_text(self.dtype, self.device),
             self.device,
             f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
-            _weights_text(quantized, self.dtype, config.quantized_prefill, fp8),
+            _weights_text(quantized, self.dtype, self.quantized_prefill, fp8),
             self.kv_pool.size,
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
             f", fp8_e4m3, {self.kv_pool.scales.describe()}" if self.kv_pool.quantized else "",

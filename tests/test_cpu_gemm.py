@@ -65,3 +65,28 @@ def test_default_model_scores_the_same_with_float32_products(monkeypatch):
     assert f32_ids == bf16_ids
     assert (f32 - bf16).abs().max() < 0.25  # measured 0.024 (mean 0.003); AVX2: 0.109 (0.010)
     assert (f32 - bf16).abs().mean() < 0.03
+
+
+def test_prompts_multiply_gguf_weights_with_weft_kernels_on_a_cpu_without_bf16(monkeypatch):
+    """There torch emulates a bf16 GEMM: GGUF weights skip their bf16 copy and prompts go through
+    weft's kernels, unless the float32 products were asked for; with bf16 in hardware, or torch's
+    packed kernels only (no weft kernels), or a dense model, the copy stays."""
+    from weft.runtime import model_runner
+    from weft.runtime.config import EngineConfig
+
+    class Weight:
+        native: object | None = object()
+
+    config = EngineConfig()
+    monkeypatch.setattr(model_runner, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(model_runner, "widen_bf16_gemm", lambda: False)
+    assert model_runner.quantized_prefill(config, [Weight()])
+    assert not model_runner.quantized_prefill(config, [])
+    torch_kernels = Weight()
+    torch_kernels.native = None
+    assert not model_runner.quantized_prefill(config, [torch_kernels])
+    monkeypatch.setattr(model_runner, "widen_bf16_gemm", lambda: True)
+    assert not model_runner.quantized_prefill(config, [Weight()])
+    monkeypatch.setattr(model_runner, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    assert not model_runner.quantized_prefill(config, [Weight()])
+    assert model_runner.quantized_prefill(config.replace(quantized_prefill=True), [Weight()])
