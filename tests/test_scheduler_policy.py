@@ -203,6 +203,9 @@ def test_drafts_ride_behind_a_decode_where_kv_allows():
     admission.draft_rows = 7
     decision = admission.schedule(running, [], in_flight=False)
     assert _rids(decision) == [("a", 4), ("b", 1), ("c", 2)]
+    admission.draft_rows = 2  # more decodes than a graph holds: eager anyway, no cap
+    decision = admission.schedule(running, [], in_flight=False)
+    assert _rids(decision) == [("a", 4), ("b", 3), ("c", 2)]
 
 
 def test_the_reserved_share_decays_to_its_floor():

@@ -92,7 +92,8 @@ class Admission:
             if req.pending is not None and _draft_len(req) >= OVERLAP_MIN_DRAFT:
                 continue  # its draft follows the token on the device: read that back first
             decoding.append(req)
-        if self.draft_rows is not None:  # (rows past the decode tokens' own)
+        if self.draft_rows is not None and len(decoding) <= self.draft_rows:
+            # (rows past the decode tokens' own; more decodes than that run eagerly anyway)
             spare = min(spare, self.draft_rows - len(decoding))
         for req in decoding:
             n = 1

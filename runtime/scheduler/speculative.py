@@ -215,14 +215,16 @@ class Speculative:
         self.draft_tokens = 0
         self.accepted_tokens = 0
 
-    @property
-    def step_rows(self) -> int:
-        """Most rows a speculating decode step feeds (speculative_max_step_rows; unset, within
-        the rows a CUDA graph replays where they are captured)."""
+    def step_rows(self, batch: int) -> int:
+        """Most rows a speculating decode step of `batch` requests feeds
+        (speculative_max_step_rows; unset, within the rows a CUDA graph replays where they are
+        captured and the batch alone fits them)."""
         if self.config.speculative_max_step_rows:
             return self.config.speculative_max_step_rows
         rows = STEP_ROWS.get(self.device_type, 512)
-        return rows if self.graph_rows is None else min(rows, self.graph_rows)
+        if self.graph_rows is None or batch > self.graph_rows:
+            return rows
+        return min(rows, self.graph_rows)
 
     @property
     def times_steps(self) -> bool:
@@ -263,7 +265,7 @@ class Speculative:
         wants = [(req, limit) for req in reqs if (limit := self._limit(req)) > 0]
         # NOTE: after `_limit`, which clears the drafts of requests without a grammar
         forced = sum(len(req.draft) for req in reqs)
-        rows = self.step_rows - len(reqs) - forced
+        rows = self.step_rows(len(reqs)) - len(reqs) - forced
         shared = _share(wants, rows, self._row_cost(len(reqs) + forced))
         drafting = {req for req, _ in shared}
         for req, _ in wants:
