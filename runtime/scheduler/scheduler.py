@@ -170,10 +170,15 @@ class Scheduler:
 
     def _cap_draft_rows(self) -> None:
         """Where CUDA graphs replay decode steps, a step's drafts stay within the largest graph's
-        rows (or speculative_max_step_rows where set larger): a step past them runs eagerly."""
+        rows (or speculative_max_step_rows where set larger): a step past them runs eagerly.
+        Not with enable_jump_forward: its drafts are fed at any batch, eagerly past the graphs
+        (a full graph's batch would otherwise never draft)."""
         graph_rows = self.verify_graph_rows
         explicit = self.config.speculative_max_step_rows or 0
-        self.admission.draft_rows = None if graph_rows is None else max(graph_rows, explicit)
+        if graph_rows is None or self.config.enable_jump_forward:
+            self.admission.draft_rows = None
+        else:
+            self.admission.draft_rows = max(graph_rows, explicit)
 
     @property
     def grammars(self) -> GrammarManager:

@@ -309,6 +309,41 @@ def test_drafts_beside_cuda_graphs_replay_them(stories_dir):
     assert runner.graphs.num_replays > replays and eager == []
 
 
+def test_drafts_keep_a_step_within_the_graphs_rows_unless_enabled(stories_dir):
+    # where CUDA graphs replay decode steps (their largest batch forced small here, on any
+    # device), a step's forced drafts fill only the rows a graph holds past its decodes: a full
+    # graph's batch drafts nothing; enable_jump_forward feeds them all (eagerly past the graph)
+    params = {"temperature": 0, "max_new_tokens": 40, "regex": PROSE}
+    engine = make_engine(stories_dir, max_total_tokens=4096, disable_overlap_schedule=True)
+    scheduler = engine.scheduler
+    steps: list[int] = []
+    forward = engine.runner.forward
+
+    def counting(batch):
+        if batch.output_only_cpu and all(batch.output_only_cpu):
+            steps.append(len(batch.input_ids))
+        return forward(batch)
+
+    saved = scheduler.verify_graph_rows
+    engine.runner.forward = counting
+    try:
+        scheduler.verify_graph_rows = 6
+        scheduler.config = scheduler.config  # (re-derives the cap)
+        capped = engine.generate(["Once upon a time"] * 4, params)
+        capped_steps, steps[:] = list(steps), []
+        full = engine.generate(["Once upon a time"] * 6, params)  # 6 decodes: no room
+        full_steps, steps[:] = list(steps), []
+        scheduler.config = scheduler.config.replace(enable_jump_forward=True)
+        enabled = engine.generate(["Once upon a time"] * 6, params)
+    finally:
+        del engine.runner.forward
+        scheduler.verify_graph_rows = saved
+        engine.shutdown()
+    assert max(capped_steps) <= 6 < max(steps) and _jumped(capped) > 0
+    assert _jumped(full) == 0 and max(full_steps) == 6 and _jumped(enabled) > 0
+    assert [o["text"] for o in full] == [o["text"] for o in enabled]
+
+
 def test_enable_and_disable_jump_forward_contradict(stories_dir):
     from weft.runtime.config import EngineConfig
 
