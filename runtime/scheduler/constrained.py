@@ -439,14 +439,18 @@ class Constrained:
             self._failed(req, exc)
 
     def drafts_for(self, req: Req) -> bool:
-        """Whether jump-forward drafts this request: not with logprobs asked for (a draft token
-        has none), penalties or min_new_tokens still to reach (the draft rows would share the
-        request's penalties and token count as they stand before the draft). Where CUDA graphs
-        replay decode steps, a step that feeds drafts replays one too (its draft tokens as rows
-        of a decode batch: batch_builder.verify_rows_apart, within the graph's rows)."""
+        """Whether jump-forward drafts this request. Not where CUDA graphs replay the decode
+        steps, unless enable_jump_forward: a step that feeds drafts now replays a graph too (its
+        draft tokens as rows of a decode batch, batch_builder.verify_rows_apart), but it reads
+        its tokens back before the next step is laid out (no overlap), and that trade has not
+        been measured on a GPU since (benchmarks/bench_grammar.py decode; before, eagerly, it
+        ran 0.36x at batch 1). Not with logprobs asked for (a draft token has none), penalties
+        or min_new_tokens still to reach (the draft rows would share the request's penalties
+        and token count as they stand before the draft)."""
         p = req.params
         return (
             not self.config.disable_jump_forward
+            and (self.config.enable_jump_forward or self.runner.graphs is None)
             and req.logprob is None
             and not p.has_penalties
             and len(req.output_ids) >= p.min_new_tokens

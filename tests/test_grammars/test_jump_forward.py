@@ -279,12 +279,14 @@ def _same_distribution_p(a: list[int], b: list[int]) -> float:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_drafts_beside_cuda_graphs_replay_them(stories_dir):
-    # a step that feeds drafts lays its draft tokens out as rows of a decode batch, which the
-    # decode graphs replay: jump-forward is on beside them, and its steps run no eager forward
+def test_drafts_beside_cuda_graphs_only_where_enabled_and_they_replay_them(stories_dir):
+    # beside the decode graphs jump-forward is off unless enabled; enabled, a step that feeds
+    # drafts lays its draft tokens out as rows of a decode batch, which the graphs replay: no
+    # eager forward of output tokens
     params = {"temperature": 0, "max_new_tokens": 40, "regex": PROSE}
-    engine = make_engine(stories_dir, max_total_tokens=4096)
-    runner = engine.runner
+    by_default = make_engine(stories_dir, max_total_tokens=4096)
+    enabled = make_engine(stories_dir, max_total_tokens=4096, enable_jump_forward=True)
+    runner = enabled.runner
     eager: list[int] = []
     model = runner.model
     forward = model.forward
@@ -295,24 +297,25 @@ def test_drafts_beside_cuda_graphs_replay_them(stories_dir):
         return forward(batch, attention)
 
     try:
-        assert runner.graphs is not None
-        with jump_forward_off(engine):
-            plain = engine.generate(["Once upon a time"] * 3, params)
+        assert by_default.runner.graphs is not None and runner.graphs is not None
+        plain = by_default.generate(["Once upon a time"] * 3, params)
         replays = runner.graphs.num_replays
         model.forward = counting
-        jumped = engine.generate(["Once upon a time"] * 3, params)
+        jumped = enabled.generate(["Once upon a time"] * 3, params)
     finally:
         del model.forward
-        engine.shutdown()
+        by_default.shutdown()
+        enabled.shutdown()
     assert _jumped(plain) == 0 and _jumped(jumped) > 0
     assert [o["text"] for o in plain] == [o["text"] for o in jumped]
     assert runner.graphs.num_replays > replays and eager == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="jump-forward is off beside CUDA graphs")
 def test_drafts_keep_a_step_within_the_graphs_rows_unless_enabled(stories_dir):
-    # where CUDA graphs replay decode steps (their largest batch forced small here, on any
-    # device), a step's forced drafts fill only the rows a graph holds past its decodes: a full
-    # graph's batch drafts nothing; enable_jump_forward feeds them all (eagerly past the graph)
+    # where CUDA graphs replay decode steps (their largest batch forced small here, on a CPU),
+    # a step's forced drafts fill only the rows a graph holds past its decodes: a full graph's
+    # batch drafts nothing; enable_jump_forward feeds them all (eagerly past the graph)
     params = {"temperature": 0, "max_new_tokens": 40, "regex": PROSE}
     engine = make_engine(stories_dir, max_total_tokens=4096, disable_overlap_schedule=True)
     scheduler = engine.scheduler
