@@ -9,6 +9,9 @@ Padded rows: they read row 0 of req_to_token with length 1 (any slot; their outp
 discarded) and write their K/V to the pool's scratch slot, which no request owns.
 The attention split count is fixed at capture time from the context length (see
 `TritonAttention.prepare`): splits beyond a request's length are empty and cost one early exit.
+A step that verifies drafts replays them too: build_batch lays each draft token out as a
+one-token row of its own (`batch_builder.verify_rows_apart`), which a decode graph computes as it
+computes any decode row (the K/V of all rows is stored before any row attends).
 """
 
 from __future__ import annotations
