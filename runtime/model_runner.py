@@ -217,8 +217,8 @@ class ModelRunner:
         self.model.eval()
         quantized = [m for m in self.model.modules() if isinstance(m, QuantWeight)]
         fp8 = [m for m in self.model.modules() if isinstance(m, FP8Weight)]
-        self.quantized_prefill = quantized_prefill(config, quantized)
-        if self.quantized_prefill:
+        prefill_quantized = quantized_prefill(config, quantized)
+        if prefill_quantized:
             for weight in quantized:
                 weight.drop_dense()
         # weft's CPU kernels give a row the same bits in any step: the output tokens of decode,
@@ -244,7 +244,7 @@ class ModelRunner:
             _activation_text(self.dtype, self.device),
             self.device,
             f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
-            _weights_text(quantized, self.dtype, self.quantized_prefill, fp8),
+            _weights_text(quantized, self.dtype, prefill_quantized, fp8),
             self.kv_pool.size,
             self.kv_pool.size * self.kv_pool.bytes_per_token / 1e9,
             f", fp8_e4m3, {self.kv_pool.scales.describe()}" if self.kv_pool.quantized else "",

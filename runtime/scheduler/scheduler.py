@@ -125,11 +125,8 @@ class Scheduler:
             lpm=config.schedule_policy == "lpm",
         )
         self.overlap = overlap_schedule(config, runner.device)
-        # most rows of a step with drafts that a CUDA graph replays (None: such steps run eagerly)
         graphs = runner.graphs
-        self.verify_graph_rows: int | None = graphs.max_bs if graphs is not None else None
-        self.speculative.graph_rows = self.verify_graph_rows
-        self._cap_draft_rows()
+        self.verify_graph_rows = graphs.max_bs if graphs is not None else None
         self.profile = step_profile(config.profile_steps, runner.device)  # a no-op when off
         self.grammar_wait: list[Req] = []  # waiting for their grammar to compile
         self.waiting: list[Req] = []
@@ -168,12 +165,25 @@ class Scheduler:
         self.speculative.config = config
         self._cap_draft_rows()
 
+    @property
+    def verify_graph_rows(self) -> int | None:
+        """Most rows of a step with drafts that a CUDA graph replays (None: such steps run
+        eagerly); set (tests, benchmarks), it caps the drafts anew."""
+        return self._verify_graph_rows
+
+    @verify_graph_rows.setter
+    def verify_graph_rows(self, rows: int | None) -> None:
+        self._verify_graph_rows = rows
+        self._cap_draft_rows()
+
     def _cap_draft_rows(self) -> None:
         """Where CUDA graphs replay decode steps, a step's drafts stay within the largest graph's
-        rows (or speculative_max_step_rows where set larger): a step past them runs eagerly.
-        Not with enable_jump_forward: its drafts are fed at any batch, eagerly past the graphs
-        (a full graph's batch would otherwise never draft)."""
-        graph_rows = self.verify_graph_rows
+        rows: speculation's row budget, and the step admission lays out (or
+        speculative_max_step_rows where set larger): a step past them runs eagerly. Admission
+        does not cap them with enable_jump_forward: its drafts are fed at any batch, eagerly past
+        the graphs (a full graph's batch would otherwise never draft)."""
+        graph_rows = self._verify_graph_rows
+        self.speculative.graph_rows = graph_rows
         explicit = self.config.speculative_max_step_rows or 0
         if graph_rows is None or self.config.enable_jump_forward:
             self.admission.draft_rows = None

@@ -336,8 +336,10 @@ class Speculative:
         forces: those rows would otherwise be fed and rejected, and the key cost a step.)"""
         spec = req.spec
         spec.index.update(req)
-        draft = self._repeat(req, req.draft, limit)
-        spec.unique = bool(draft) and not spec.index.propose(req, req.draft, 1)
+        draft = spec.index.propose(req, req.draft, limit)
+        if not draft:
+            draft = spec.index.propose_unique(req, req.draft, limit)
+            spec.unique = bool(draft)
         if grammar is None:
             return draft
         taken = 0  # tokens the grammar took, to roll back

@@ -331,7 +331,6 @@ def test_drafts_keep_a_step_within_the_graphs_rows_unless_enabled(stories_dir):
     engine.runner.forward = counting
     try:
         scheduler.verify_graph_rows = 6
-        scheduler.config = scheduler.config  # (re-derives the cap)
         capped = engine.generate(["Once upon a time"] * 4, params)
         capped_steps, steps[:] = list(steps), []
         full = engine.generate(["Once upon a time"] * 6, params)  # 6 decodes: no room
