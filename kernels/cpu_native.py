@@ -1,7 +1,10 @@
 """weft's C kernels for CPUs (csrc/): compiled for this processor on first use into one
 library, called through ctypes.
 
-    quant_gemv.c   int8 / int4 weight-only products of a few rows (decode; kernels/cpu_gemv.py)
+    quant_gemv.c   int8 / int4 weight-only products, x widened to int16 (output tokens;
+                   kernels/cpu_gemv.py)
+    quant_gemm.c   the same weights against many rows in float32, dequantized a panel at a time
+                   (prompts, on a CPU without bf16 in hardware)
     attention.c    attention over the paged KV cache, a row's bits whatever comes with it
 
 The build: the C compiler (`$CC`, else cc / gcc) with -O3 -march=native -fopenmp, into
@@ -33,9 +36,11 @@ from weft.runtime.hardware import cpu_flags
 logger = logging.getLogger("weft")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "quant_gemv.c", CSRC / "attention.c")
+SOURCES = (CSRC / "quant_gemv.c", CSRC / "quant_gemm.c", CSRC / "attention.c")
 HEADERS = (CSRC / "cpu_common.h",)
-MAX_ROWS = 8  # rows of x per pass over the weight (quant_gemv.c's MAX_M)
+# Rows of x a call of the product takes: each call widens its rows to int16 (2 bytes a value)
+# and reads the weight once, so a prompt of many rows holds a bounded buffer
+CALL_ROWS = 1024
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _ISA = {16: "AVX-512", 8: "AVX2"}
 
@@ -71,6 +76,15 @@ class NativeCPU:
         """x bf16 [M, K] @ the int4 weight of `cpu_gemv.pack_int4` (packed u8 [N, K/2], so
         bf16 [N, K/32, 2])^T -> bf16 [M, N]."""
         return self._run(self.lib.weft_gemv_int4, x, packed, so)
+
+    def prompt_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """As `int8`, summed in float32 over the dequantized weight (quant_gemm.c): another
+        row's bits than `int8`'s, the same in any product."""
+        return self._run(self.lib.weft_gemm_int8, x, q, scale)
+
+    def prompt_int4(self, x: torch.Tensor, packed: torch.Tensor, so: torch.Tensor) -> torch.Tensor:
+        """As `int4`, summed in float32 over the dequantized weight (quant_gemm.c)."""
+        return self._run(self.lib.weft_gemm_int4, x, packed, so)
 
     def attention(
         self,
@@ -121,8 +135,8 @@ class NativeCPU:
         m, n = x.shape[0], w.shape[0]
         out = torch.empty(m, n, dtype=torch.bfloat16)
         threads = torch.get_num_threads()
-        for lo in range(0, m, MAX_ROWS):  # NOTE: prefill without a dense copy re-reads w
-            rows = min(MAX_ROWS, m - lo)
+        for lo in range(0, m, CALL_ROWS):
+            rows = min(CALL_ROWS, m - lo)
             status = fn(
                 x[lo].data_ptr(),
                 rows,
@@ -214,7 +228,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> NativeCPU:
                 os.unlink(tmp)
         logger.info("built weft's CPU kernels: %s", path)
     lib = ctypes.CDLL(str(path))
-    for name in ("weft_gemv_int8", "weft_gemv_int4"):
+    for name in ("weft_gemv_int8", "weft_gemv_int4", "weft_gemm_int8", "weft_gemm_int4"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         # (x, rows, K, w, scales, out, N, threads)

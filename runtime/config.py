@@ -64,11 +64,11 @@ class EngineConfig:
     )
     quantized_prefill: bool = option(
         False,
-        "with quantization gguf, run prefill through the quantized kernels too (default: a "
-        "bfloat16 copy of each quantized weight serves steps of more than 4 rows where the CPU "
-        "has bf16 in hardware, as bf16 GEMM is faster there; on a CPU without it, with weft's "
-        "kernels and cpu_float32_products off, prefill takes the kernels anyway: ~half the "
-        "memory)",
+        "with quantization gguf, multiply prompts with the weights as kept, no bfloat16 copy "
+        "(weft's kernels: in float32, the weight dequantized a panel at a time; ~half the "
+        "memory). Default: a bfloat16 copy of each quantized weight serves steps of more than 4 "
+        "rows where the CPU has bf16 in hardware, as bf16 GEMM is faster there; on a CPU without "
+        "it, with weft's kernels and cpu_float32_products off, prompts take weft's product",
     )
     context_length: int | None = option(
         None, "max tokens of prompt + output (default: the model's)"
@@ -165,8 +165,8 @@ class EngineConfig:
         "with speculative_algorithm draft: the draft model (HF folder or .gguf file, loaded as "
         "the model is, dummy weights included), of the model's vocabulary and end tokens",
     )
-    # NOTE: 7: a verify step of 1 + 7 rows is one pass of weft's CPU kernels over the weights
-    # (kernels/cpu_native.MAX_ROWS); 1 + 8 took two (code editing 2.84x vs 2.66x, RESULTS.md)
+    # NOTE: 7: on the CPU a verify step of 1 + 7 rows ran code editing at 2.84x, of 1 + 8 at
+    # 2.66x (RESULTS.md; weft's kernels then passed over the weights once per 8 rows)
     speculative_num_draft_tokens: int = option(
         7, "most draft tokens a request verifies in one forward (speculative decoding)"
     )

@@ -76,12 +76,12 @@ def _activation_text(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def quantized_prefill(config: EngineConfig, quantized: list[QuantWeight]) -> bool:
-    """Whether prompts multiply GGUF weights with the quantized kernels too (no bf16 copy):
-    where asked (quantized_prefill), or on a CPU without bf16 in hardware where weft's kernels
-    run and the float32 products are off. There torch emulates a bf16 GEMM at ~a quarter of its
-    float32 rate; weft's kernels widen the weights to float32 in registers (2-core AMD EPYC capped
-    to AVX2: 162 against 59 prompt tok/s, benchmarks/RESULTS.md), give a prompt's rows the bits
-    of decode rows, and the copy's memory (2 bytes a weight) is not held."""
+    """Whether prompts multiply GGUF weights as they are kept (no bf16 copy): where asked
+    (quantized_prefill), or on a CPU without bf16 in hardware where weft's kernels run and the
+    float32 products are off. There torch emulates a bf16 GEMM at ~a quarter of its float32
+    rate; weft's float32 product of the quantized weight, dequantized a panel at a time
+    (kernels/csrc/quant_gemm.c), ran 2-core AMD EPYC capped to AVX2 prompts at 1.5x the copy's
+    rate (benchmarks/RESULTS.md), and the copy's memory (2 bytes a weight) is not held."""
     if config.quantized_prefill:
         return True
     native = bool(quantized) and quantized[0].native is not None
@@ -108,11 +108,12 @@ def _weights_text(
         if native is not None
         else f"torch's packed kernels ({cpu_native.why_not()})"
     )
-    prefill = (
-        "prefill through them too (quantized_prefill)"
-        if quantized_prefill
-        else f"steps of > {QUANT_MAX_ROWS} rows through a {name} copy of them"
-    )
+    if not quantized_prefill:
+        prefill = f"steps of > {QUANT_MAX_ROWS} rows through a {name} copy of them"
+    elif native is not None:
+        prefill = "prompts through weft's float32 product of them, no copy"
+    else:
+        prefill = "prompts through them too, no copy"
     return (
         f"{counts} linear weights kept quantized from the GGUF, multiplied by {kernels}, "
         f"{prefill}; the rest {name}"

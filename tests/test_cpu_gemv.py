@@ -1,7 +1,8 @@
-"""weft's CPU kernels for quantized decode products (kernels/cpu_gemv.py, csrc/quant_gemv.c)
-against their torch twins, in each vector path this CPU can run (AVX-512, AVX2), on shapes with
-every remainder the C handles: rows not a multiple of the row block, K not a multiple of the
-vector width, an odd number of int4 groups, 1 to 4 rows of x and more (passes of 4)."""
+"""weft's CPU kernels for quantized products (kernels/cpu_gemv.py, csrc/quant_gemv.c for output
+tokens, csrc/quant_gemm.c for prompts) against their torch twins, in each vector path this CPU
+can run (AVX-512, AVX2), on shapes with every remainder the C handles: rows not a multiple of the
+row block or panel, K not a multiple of the vector width or the panel's columns, an odd number of
+int4 groups, rows of x not a multiple of a tile's, and a row's bits alike in any product."""
 
 from __future__ import annotations
 
@@ -69,6 +70,62 @@ def test_int4_matches_its_twin(gemv, n, k, m):
     expected = cpu_gemv.reference_int4(x, packed, so)
     w = cpu_gemv.reference_int4(torch.eye(k), packed, so).t()  # the dequantized weight [N, K]
     _assert_within_x16_rounding(got, expected, w, x)
+
+
+# quant_gemm.c: panels of 16 (AVX2) or 32 rows of w, 128 columns, tiles of 6 rows of x
+GEMM_SHAPES = [(37, 200, "int8"), (5, 24, "int8"), (70, 384, "int4"), (34, 96, "int4")]
+
+
+@pytest.mark.parametrize(("n", "k", "form"), GEMM_SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 6, 13])
+def test_prompt_products_match_their_twin(gemv, n, k, form, m):
+    """The float32 product (x not rounded to int16): within the float32 sums' order and one
+    bf16 rounding of the output."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).to(torch.bfloat16)
+    if form == "int8":
+        g = torch.Generator().manual_seed(n * k)
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        scale = (torch.rand(n, generator=g) / 50).to(torch.bfloat16)
+        got = gemv.prompt_int8(x, q, scale)
+        expected = cpu_gemv.reference_int8(x, q, scale)
+        w = q.float() * scale.float()[:, None]
+    else:
+        packed, so = cpu_gemv.pack_int4(*_int4_weight(n, k, seed=n + k))
+        got = gemv.prompt_int4(x, packed, so)
+        expected = cpu_gemv.reference_int4(x, packed, so)
+        w = cpu_gemv.reference_int4(torch.eye(k), packed, so).t()
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    sums = (x.float().abs() @ w.abs().t()) * k * 2**-23
+    err = (got.float() - expected).abs()
+    assert bool((err <= sums + expected.abs() * 2**-8 + 1e-6).all()), float(err.max())
+
+
+def test_a_row_gets_the_same_bits_in_any_product(gemv):
+    """Each kernel gives a row of x the bits it gets alone, wherever it sits among how many rows
+    (tiles, row groups and blocks of rows split apart), on any thread count: what lets decode
+    steps of any batch and prompts in any chunks compute alike."""
+    g = torch.Generator().manual_seed(11)
+    q8 = torch.randint(-127, 128, (40, 136), dtype=torch.int8, generator=g)
+    scale = (torch.rand(40, generator=g) / 50).to(torch.bfloat16)
+    packed, so = cpu_gemv.pack_int4(*_int4_weight(36, 160, seed=2))
+    x8 = torch.randn(800, 136, generator=g).to(torch.bfloat16)  # > a block of rows (768)
+    x4 = torch.randn(800, 160, generator=g).to(torch.bfloat16)
+    products = [
+        (gemv.int8, x8, q8, scale),
+        (gemv.int4, x4, packed, so),
+        (gemv.prompt_int8, x8, q8, scale),
+        (gemv.prompt_int4, x4, packed, so),
+    ]
+    before = torch.get_num_threads()
+    try:
+        for run, x, w, s in products:
+            whole = run(x, w, s)
+            torch.set_num_threads(1)
+            for lo, hi in ((0, 1), (797, 800), (3, 20), (100, 107), (0, 800)):
+                assert torch.equal(run(x[lo:hi], w, s), whole[lo:hi]), (run.__name__, lo, hi)
+            torch.set_num_threads(before)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _assert_within_x16_rounding(

@@ -307,8 +307,37 @@ def test_decode_rows_get_the_bits_of_a_row_alone(tensors):
     for i in range(9):
         with quant_rows(prompt):
             assert torch.equal(weight.matmul(x[i : i + 1], None)[0], dense[i])
-        assert torch.equal(weight._dense(x[i:], None)[0], dense[i])
+        assert torch.equal(weight._prompt(x[i:], None)[0], dense[i])
     assert torch.equal(weight.matmul(x[:1], None), alone[:1])  # undescribed: few rows quantized
+
+
+@pytest.mark.parametrize(
+    ("name", "form"), [("blk.0.ffn_gate.weight", "int8"), ("blk.2.ffn_down.weight", "int4")]
+)
+def test_without_the_copy_prompt_rows_take_the_float32_product(tensors, name, form):
+    """With the bf16 copy dropped (quantized_prefill), a step's prompt rows are weft's float32
+    product of the quantized weight, the same bits alone or among others; its decode rows keep
+    the int16 kernels' bits."""
+    if cpu_native.native() is None:
+        pytest.skip(f"weft's CPU kernels do not run here: {cpu_native.why_not()}")
+    weight = _quant_weight(tensors[name], form)
+    dense = weight.dense
+    assert dense is not None
+    weight.drop_dense()
+    x = torch.randn(9, weight.in_features, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    alone = torch.cat([weight.matmul(x[i : i + 1], None) for i in range(9)])  # decode rows
+    prompt = weight.matmul(x, None)  # 9 rows, undescribed: a prompt's
+    expected = x.float() @ dense.float().t()
+    assert (prompt.float() - expected).abs().max() <= expected.abs().max() * 2**-7
+    assert not torch.equal(prompt, alone)
+    rows = torch.tensor([1, 4])
+    with quant_rows(QuantRows(9, rows)):
+        mixed = weight.matmul(x, None)
+    others = torch.tensor([0, 2, 3, 5, 6, 7, 8])
+    assert torch.equal(mixed[rows], alone[rows]) and torch.equal(mixed[others], prompt[others])
+    with quant_rows(QuantRows(1, torch.tensor([], dtype=torch.long))):
+        assert torch.equal(weight.matmul(x[3:4], None)[0], prompt[3])
 
 
 def test_decode_rows_of_a_step():

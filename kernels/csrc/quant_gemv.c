@@ -1,10 +1,13 @@
-/* Weight-only quantized matrix products of a few rows on a CPU: out[m, n] = x[m, :] . w[n, :].
+/* Weight-only quantized matrix products on a CPU: out[m, n] = x[m, :] . w[n, :], for any M.
  *
  * Decode is bound by reading weights; torch's packed int4/int8 CPU kernels stream them at about
  * half the memory's read rate (RESULTS.md, issue 21). These stream each weight row once for all
- * M (<= MAX_M) rows of x. x is widened to int16 with one scale per row (max |x| / 32767: finer
- * than x's own bfloat16), the weight's integers are multiplied with it in int16 lanes and summed
- * in int32 (AVX-512 VNNI's vpdpwssd, else pmaddwd), then scaled in float32.
+ * M rows of x: a thread takes its rows of w a block at a time (BLOCK_BYTES, within the core's
+ * L1), and every group of MR rows of x passes over the block while it is there. MR is what the
+ * registers hold: MR x NR accumulators (NR rows of w at a time), 16 vector registers in AVX2, 32
+ * in AVX-512. x is widened to int16 with one scale per row (max |x| / 32767: finer than x's own
+ * bfloat16), the weight's integers are multiplied with it in int16 lanes and summed in int32
+ * (AVX-512 VNNI's vpdpwssd, else pmaddwd), then scaled in float32.
  *
  * Forms (kernels/cpu_gemv.py packs them):
  *   int8: w int8 [N, K], one bfloat16 scale per row: w = q * scale.
@@ -13,7 +16,9 @@
  *         (q in 0..15).
  * x and out are bfloat16 [M, K] and [M, N]. Rows of w are split over OpenMP threads in
  * contiguous blocks, so each thread streams its own part of the weight. A row of the output
- * depends on its own row of x only: the same bits whatever rows come with it.
+ * depends on its own row of x only: the same bits whatever rows come with it, in a group of MR
+ * or not, and however the rows of w are grouped (each x row and w row pair has accumulators of
+ * its own, summed in one order).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,22 +33,15 @@
 #define PREFETCH(p) __builtin_prefetch(p)
 #endif
 
-#define MAX_M 8
 #define GROUP 32
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
+#define BLOCK_BYTES (16 << 10) /* a thread's block of w: half a Zen 4 / Intel L1 */
 
 /* The vector layer of the int8 product: KS int16 lanes a step. W16 widens KS int8 of w, XL
  * loads KS int16 of x, DPW adds the products of adjacent lane pairs into KS / 2 int32 lanes. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LANES 16
 #define KS 32
+#define MR 8
 typedef __m512i vi;
 #define W16(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
 #define XL(p) _mm512_loadu_si512((const void *)(p))
@@ -57,6 +55,10 @@ typedef __m512i vi;
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 #define KS 16
+/* NOTE: 3 x 2 accumulators, as many products before they are added, and 2 rows of w fit the 16
+ * registers; at 4 x 2 GCC spilled an accumulator, whose store-to-load chain held every step
+ * (9 int16 products a cycle on Zen 4 where pmaddwd does 32) */
+#define MR 3
 typedef __m256i vi;
 #define W16(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
 #define XL(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -77,6 +79,7 @@ static inline float hsum256(__m256 v) {
 #else
 #define LANES 1
 #define KS 1
+#define MR 8
 typedef int32_t vi;
 #define W16(p) ((int32_t) * (p))
 #define XL(p) ((int32_t) * (p))
@@ -104,36 +107,58 @@ static void thread_share(int n, int step, int *lo, int *hi) {
     *hi = t == nt - 1 ? n : step * (int)(units * (t + 1) / nt);
 }
 
-static float *widen_x(const uint16_t *x, int m, int k) {
-    float *xf = malloc((size_t)m * k * sizeof(float));
-    if (xf)
-        for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = bf16_to_f32(x[i]);
-    return xf;
+/* Rows of w in a thread's block: BLOCK_BYTES of them, whole steps, at least one step. */
+static int block_rows(int64_t row_bytes, int step) {
+    int64_t rows = BLOCK_BYTES / row_bytes / step * step;
+    return rows < step ? step : (int)rows;
 }
 
 /* A row of x -> its int16 scale: max |x| / 32767 (1 for a row of zeros). */
-static float x16_scale(const float *row, int K) {
+static float x16_scale(const uint16_t *row, int K) {
     float peak = 0.0f;
     for (int k = 0; k < K; k++) {
-        float a = row[k] < 0.0f ? -row[k] : row[k];
+        float v = bf16_to_f32(row[k]), a = v < 0.0f ? -v : v;
         peak = a > peak ? a : peak;
     }
     return peak > 0.0f ? peak / 32767.0f : 1.0f;
 }
 
+/* Calls body(mr) with mr a constant 1 .. MR, so each inlined copy keeps its accumulators in
+ * registers. */
+#if MR == 8
+#define BY_ROWS(mr, body)                  \
+    switch (mr) {                          \
+        case 1: body(1); break;            \
+        case 2: body(2); break;            \
+        case 3: body(3); break;            \
+        case 4: body(4); break;            \
+        case 5: body(5); break;            \
+        case 6: body(6); break;            \
+        case 7: body(7); break;            \
+        default: body(8); break;           \
+    }
+#elif MR == 3
+#define BY_ROWS(mr, body)                  \
+    switch (mr) {                          \
+        case 1: body(1); break;            \
+        case 2: body(2); break;            \
+        default: body(3); break;           \
+    }
+#endif
+
 /* --- int8 --------------------------------------------------------------------------------
  * Row n of the output: scale[n] * xs * (q . xq), q . xq in int32 lanes CHUNK steps at a time.
- * NR rows of w (n .. n+NR-1) against M rows of x: NR * M accumulators. */
+ * NR rows of w (n .. n+NR-1) against M (<= MR) rows of x: NR * M accumulators. */
 static inline __attribute__((always_inline)) void int8_rows(
-    const int16_t *xq, const float *xs, const float *xf, int M, int NR, int K, const int8_t *w,
+    const uint16_t *x, const int16_t *xq, const float *xs, int M, int NR, int K, const int8_t *w,
     const uint16_t *scale, uint16_t *out, int N, int n) {
-    float sums[4][MAX_M];
+    float sums[4][MR];
     for (int r = 0; r < NR; r++)
         for (int m = 0; m < M; m++) sums[r][m] = 0.0f;
     const int8_t *row = w + (int64_t)n * K;
     int k = 0;
     while (k + KS <= K) {
-        vi d[4][MAX_M];
+        vi d[4][MR];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++)
 #pragma GCC unroll 8
@@ -159,68 +184,72 @@ static inline __attribute__((always_inline)) void int8_rows(
         float s = bf16_to_f32(scale[n + r]);
         for (int m = 0; m < M; m++) {
             float tail = 0.0f;  /* the last K % KS columns, in float32 */
-            for (int t = k; t < K; t++) tail += (float)row[(int64_t)r * K + t] * xf[(int64_t)m * K + t];
+            for (int t = k; t < K; t++)
+                tail += (float)row[(int64_t)r * K + t] * bf16_to_f32(x[(int64_t)m * K + t]);
             out[(int64_t)m * N + n + r] = f32_to_bf16((sums[r][m] * xs[m] + tail) * s);
         }
     }
 }
 
-/* Rows lo .. hi of w, NR at a time: 4 for up to 4 rows of x, 2 above (4 * 8 accumulators would
- * not fit the registers); the last N % 4 rows one at a time. */
-static inline __attribute__((always_inline)) void int8_block(
-    const int16_t *xq, const float *xs, const float *xf, int M, int K, const int8_t *w,
+/* Rows lo .. hi of w against M (<= MR) rows of x, NR at a time: 4 where M * 4 accumulators fit
+ * the registers (with AVX2 a product each beside them), else 2; the rest one at a time. */
+static inline __attribute__((always_inline)) void int8_span(
+    const uint16_t *x, const int16_t *xq, const float *xs, int M, int K, const int8_t *w,
     const uint16_t *scale, uint16_t *out, int N, int lo, int hi) {
-    const int NR = M <= 4 ? 4 : 2;
+    const int NR = LANES == 16 ? (M <= 4 ? 4 : 2) : (M == 1 ? 4 : 2);
     int n = lo;
-    for (; n + NR <= hi; n += NR) int8_rows(xq, xs, xf, M, NR, K, w, scale, out, N, n);
-    for (; n < hi; n++) int8_rows(xq, xs, xf, M, 1, K, w, scale, out, N, n);
+    for (; n + NR <= hi; n += NR) int8_rows(x, xq, xs, M, NR, K, w, scale, out, N, n);
+    for (; n < hi; n++) int8_rows(x, xq, xs, M, 1, K, w, scale, out, N, n);
 }
 
-/* 1 <= M <= MAX_M, on `threads` OpenMP threads. Returns 0, or -1 when out of memory. */
+/* M >= 1 rows, on `threads` OpenMP threads. Returns 0, or -1 when out of memory. */
 int weft_gemv_int8(const uint16_t *x, int M, int K, const int8_t *w, const uint16_t *scale,
                    uint16_t *out, int N, int threads) {
-    float *xf = widen_x(x, M, K), xs[MAX_M];
+    float *xs = malloc((size_t)M * sizeof(float));
     int16_t *xq = malloc((size_t)M * K * sizeof(int16_t));
-    if (!xf || !xq) {
-        free(xf);
+    if (!xs || !xq) {
+        free(xs);
         free(xq);
         return -1;
     }
     for (int m = 0; m < M; m++) {
-        xs[m] = x16_scale(xf + (int64_t)m * K, K);
+        const uint16_t *row = x + (int64_t)m * K;
+        xs[m] = x16_scale(row, K);
         for (int k = 0; k < K; k++)
-            xq[(int64_t)m * K + k] = (int16_t)__builtin_lrintf(xf[(int64_t)m * K + k] / xs[m]);
+            xq[(int64_t)m * K + k] = (int16_t)__builtin_lrintf(bf16_to_f32(row[k]) / xs[m]);
     }
+    int nb = block_rows(K, 4);
 #pragma omp parallel num_threads(threads)
     {
         int lo, hi;
         thread_share(N, 4, &lo, &hi);
-        switch (M) {  /* NOTE: constant M per call, so each inlined copy keeps d in registers */
-            case 1: int8_block(xq, xs, xf, 1, K, w, scale, out, N, lo, hi); break;
-            case 2: int8_block(xq, xs, xf, 2, K, w, scale, out, N, lo, hi); break;
-            case 3: int8_block(xq, xs, xf, 3, K, w, scale, out, N, lo, hi); break;
-            case 4: int8_block(xq, xs, xf, 4, K, w, scale, out, N, lo, hi); break;
-            case 5: int8_block(xq, xs, xf, 5, K, w, scale, out, N, lo, hi); break;
-            case 6: int8_block(xq, xs, xf, 6, K, w, scale, out, N, lo, hi); break;
-            case 7: int8_block(xq, xs, xf, 7, K, w, scale, out, N, lo, hi); break;
-            default: int8_block(xq, xs, xf, 8, K, w, scale, out, N, lo, hi); break;
+        for (int n0 = lo; n0 < hi; n0 += nb) {
+            int n1 = n0 + nb < hi ? n0 + nb : hi;
+            for (int m0 = 0; m0 < M; m0 += MR) {
+                const uint16_t *xm = x + (int64_t)m0 * K;
+                const int16_t *qm = xq + (int64_t)m0 * K;
+                uint16_t *om = out + (int64_t)m0 * N;
+#define INT8_SPAN(mr) int8_span(xm, qm, xs + m0, mr, K, w, scale, om, N, n0, n1)
+                BY_ROWS(M - m0, INT8_SPAN)
+#undef INT8_SPAN
+            }
         }
     }
-    free(xf);
+    free(xs);
     free(xq);
     return 0;
 }
 
 /* --- int4 --------------------------------------------------------------------------------
  * Per group g of row n: sum_k x_k (q_k s + o) = s * (x . q) + o * sum_g(x). With x = xs * xq
- * (xq int16): xs * (s * (xq . q) + o * sum_g(x) / xs); each thread sums the bracket. */
+ * (xq int16): xs * (s * (xq . q) + o * sum_g(x) / xs); each thread sums the bracket, the
+ * offsets' term apart, a vector of groups an FMA: xsv holds sum_g(x) / xs per row, XSV_STRIDE
+ * floats a row (0 past the groups the steps cover: an odd last group is int4_tail's). */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* Two groups a step: 32 bytes widen to 32 int16 lanes [g: bytes 0-15 | g+1: bytes 0-15], whose
  * low nibbles are k 0-15 and high nibbles k 16-31 of each group; xq is stored in that order
- * (per pair: 32 x of the low nibbles, then 32 of the high ones). The offsets' term is summed
- * apart, 16 groups an FMA: xsv holds sum_g(x) / xs per row, XSV_STRIDE floats a row (0 past
- * the pairs' groups: an odd last group is int4_tail's). */
+ * (per pair: 32 x of the low nibbles, then 32 of the high ones). */
 #define I4_STEP 2
 #define XSV_STRIDE(G) (((G) + 15) / 16 * 16)  /* whole vectors of 16 groups */
 #if defined(__AVX512VNNI__)
@@ -231,11 +260,11 @@ int weft_gemv_int8(const uint16_t *x, int M, int K, const int8_t *w, const uint1
 
 static inline __attribute__((always_inline)) void int4_rows2(
     const int16_t *xq, const float *xsv, int M, int K, const uint8_t *w, const uint16_t *so,
-    float sums[2][MAX_M], int n) {
+    float sums[2][MR], int n) {
     int G = K / GROUP, P = G / 2;
     const __m512i idx_s = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i low4 = _mm512_set1_epi16(15);
-    __m512 acc[2][MAX_M];
+    __m512 acc[2][MR];
 #pragma GCC unroll 2
     for (int r = 0; r < 2; r++)
 #pragma GCC unroll 8
@@ -279,24 +308,20 @@ static inline __attribute__((always_inline)) void int4_rows2(
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-/* One group a step: 16 bytes widen to 16 int16 lanes; xq in x's order, xsv[g] = sum_g(x) / xs. */
+/* One group a step: 16 bytes widen to 16 int16 lanes; xq in x's order. */
 #define I4_STEP 1
-#define XSV_STRIDE(G) (G)
+#define XSV_STRIDE(G) (((G) + 7) / 8 * 8)  /* whole vectors of 8 groups */
 
 static inline __attribute__((always_inline)) void int4_rows2(
     const int16_t *xq, const float *xsv, int M, int K, const uint8_t *w, const uint16_t *so,
-    float sums[2][MAX_M], int n) {
+    float sums[2][MR], int n) {
     int G = K / GROUP;
     const __m256i low4 = _mm256_set1_epi16(15);
-    __m256 acc[2][MAX_M];
-    float off[2][MAX_M];
+    __m256 acc[2][MR];
 #pragma GCC unroll 2
     for (int r = 0; r < 2; r++)
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++) {
-            acc[r][m] = _mm256_setzero_ps();
-            off[r][m] = 0.0f;
-        }
+#pragma GCC unroll 3
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
         PREFETCH(w + (int64_t)n * G * (GROUP / 2) + K + 32 * (int64_t)g);
         if ((g & 7) == 0) PREFETCH(so + (int64_t)(n + 2) * G * 2 + 4 * (int64_t)g);
@@ -305,21 +330,36 @@ static inline __attribute__((always_inline)) void int4_rows2(
             int64_t at = (int64_t)(n + r) * G + g;
             __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + at * 16)));
             __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_srli_epi16(b, 4);
-            __m256 sv = _mm256_set1_ps(bf16_to_f32(so[at * 2]));
-            float o = bf16_to_f32(so[at * 2 + 1]);
-#pragma GCC unroll 8
+            __m256 sv = _mm256_castsi256_ps(_mm256_set1_epi32((int)((uint32_t)so[at * 2] << 16)));
+#pragma GCC unroll 4
             for (int m = 0; m < M; m++) {
                 const int16_t *xp = xq + (int64_t)m * K + (int64_t)g * GROUP;
                 __m256i d = _mm256_add_epi32(
                     _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
                     _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
                 acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, acc[r][m]);
-                off[r][m] += o * xsv[(int64_t)m * G + g];
             }
         }
     }
+    /* the offsets, 8 groups an FMA: (scale, offset) bf16 pairs are 32-bit lanes whose high half
+     * is the offset */
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int g = 0; g < G; g += 8) {
+        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(G - g),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            __m256i pairs =
+                _mm256_maskload_epi32((const int *)(so + ((int64_t)(n + r) * G + g) * 2), live);
+            __m256 off = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+#pragma GCC unroll 4
+            for (int m = 0; m < M; m++)
+                acc[r][m] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xsv + (int64_t)m * XSV_STRIDE(G) + g),
+                                            acc[r][m]);
+        }
+    }
     for (int r = 0; r < 2; r++)
-        for (int m = 0; m < M; m++) sums[r][m] = hsum256(acc[r][m]) + off[r][m];
+        for (int m = 0; m < M; m++) sums[r][m] = hsum256(acc[r][m]);
 }
 
 #else
@@ -327,7 +367,7 @@ static inline __attribute__((always_inline)) void int4_rows2(
 #define XSV_STRIDE(G) (G)
 
 static inline void int4_rows2(const int16_t *xq, const float *xsv, int M, int K,
-                              const uint8_t *w, const uint16_t *so, float sums[2][MAX_M], int n) {
+                              const uint8_t *w, const uint16_t *so, float sums[2][MR], int n) {
     int G = K / GROUP;
     for (int r = 0; r < 2; r++)
         for (int m = 0; m < M; m++) {
@@ -347,7 +387,7 @@ static inline void int4_rows2(const int16_t *xq, const float *xsv, int M, int K,
 #endif
 
 /* The groups int4_rows2's steps leave over (an odd last group of the AVX-512 path), in C. */
-static float int4_tail(const float *xf, int K, const uint8_t *w, const uint16_t *so, int n,
+static float int4_tail(const uint16_t *x, int K, const uint8_t *w, const uint16_t *so, int n,
                        int g0) {
     int G = K / GROUP;
     float sum = 0.0f;
@@ -356,86 +396,92 @@ static float int4_tail(const float *xf, int K, const uint8_t *w, const uint16_t 
         float s = bf16_to_f32(so[at * 2]), o = bf16_to_f32(so[at * 2 + 1]);
         for (int i = 0; i < GROUP / 2; i++) {
             uint8_t b = w[at * 16 + i];
-            sum += xf[g * GROUP + i] * ((b & 15) * s + o) + xf[g * GROUP + i + 16] * ((b >> 4) * s + o);
+            sum += bf16_to_f32(x[g * GROUP + i]) * ((b & 15) * s + o) +
+                   bf16_to_f32(x[g * GROUP + i + 16]) * ((b >> 4) * s + o);
         }
     }
     return sum;
 }
 
-/* x -> xq (int16, in int4_rows2's order), xs[m] and xsv; xf keeps x in float32. */
-static void widen_x16(const float *xf, int M, int K, int16_t *xq, float *xs, float *xsv) {
+/* x -> xq (int16, in int4_rows2's order), xs[m] and xsv. */
+static void widen_x16(const uint16_t *x, int M, int K, int16_t *xq, float *xs, float *xsv) {
     int G = K / GROUP;
     for (int m = 0; m < M; m++) {
-        const float *row = xf + (int64_t)m * K;
+        const uint16_t *row = x + (int64_t)m * K;
         float scale = xs[m] = x16_scale(row, K);
         int16_t *q = xq + (int64_t)m * K;
         for (int g = 0; g < G; g++) {
             float sum = 0.0f;
-            for (int i = 0; i < GROUP; i++) sum += row[g * GROUP + i];
+            for (int i = 0; i < GROUP; i++) sum += bf16_to_f32(row[g * GROUP + i]);
 #if I4_STEP == 2
             int p = g / 2, half = g % 2;
             if (p < G / 2) {
                 for (int i = 0; i < GROUP / 2; i++) {
-                    q[p * 64 + half * 16 + i] = (int16_t)__builtin_lrintf(row[g * GROUP + i] / scale);
+                    q[p * 64 + half * 16 + i] =
+                        (int16_t)__builtin_lrintf(bf16_to_f32(row[g * GROUP + i]) / scale);
                     q[p * 64 + 32 + half * 16 + i] =
-                        (int16_t)__builtin_lrintf(row[g * GROUP + 16 + i] / scale);
+                        (int16_t)__builtin_lrintf(bf16_to_f32(row[g * GROUP + 16 + i]) / scale);
                 }
                 xsv[(int64_t)m * XSV_STRIDE(G) + g] = sum / scale;
             }
 #else
             for (int i = 0; i < GROUP; i++)
-                q[g * GROUP + i] = (int16_t)__builtin_lrintf(row[g * GROUP + i] / scale);
-            xsv[(int64_t)m * G + g] = sum / scale;
+                q[g * GROUP + i] = (int16_t)__builtin_lrintf(bf16_to_f32(row[g * GROUP + i]) / scale);
+            xsv[(int64_t)m * XSV_STRIDE(G) + g] = sum / scale;
 #endif
         }
     }
 }
 
-static inline __attribute__((always_inline)) void int4_block(
-    const float *xf, const int16_t *xq, const float *xs, const float *xsv, int M, int K,
+/* Rows lo .. hi of w (pairs) against M (<= MR) rows of x. */
+static inline __attribute__((always_inline)) void int4_span(
+    const uint16_t *x, const int16_t *xq, const float *xs, const float *xsv, int M, int K,
     const uint8_t *w, const uint16_t *so, uint16_t *out, int N, int lo, int hi) {
     int G = K / GROUP, done = G / I4_STEP * I4_STEP;
     for (int n = lo; n < hi; n += 2) {
-        float sums[2][MAX_M];
+        float sums[2][MR];
         int4_rows2(xq, xsv, M, K, w, so, sums, n);
         for (int r = 0; r < 2; r++)
             for (int m = 0; m < M; m++) {
-                float tail = done < G ? int4_tail(xf + (int64_t)m * K, K, w, so, n + r, done) : 0.0f;
+                float tail = done < G ? int4_tail(x + (int64_t)m * K, K, w, so, n + r, done) : 0.0f;
                 out[(int64_t)m * N + n + r] = f32_to_bf16(sums[r][m] * xs[m] + tail);
             }
     }
 }
 
-/* K % 32 == 0, N % 2 == 0, 1 <= M <= MAX_M; so: bfloat16 [N, K / 32, 2] (scale, offset). */
+/* K % 32 == 0, N % 2 == 0, M >= 1; so: bfloat16 [N, K / 32, 2] (scale, offset). */
 int weft_gemv_int4(const uint16_t *x, int M, int K, const uint8_t *w, const uint16_t *so,
                    uint16_t *out, int N, int threads) {
     int G = K / GROUP;
-    float *xf = widen_x(x, M, K), xs[MAX_M];
+    float *xs = malloc((size_t)M * sizeof(float));
     int16_t *xq = malloc((size_t)M * K * sizeof(int16_t));
-    float *xsv = calloc((size_t)M * XSV_STRIDE(G), sizeof(float));  /* 0: groups no pair has */
-    if (!xf || !xq || !xsv) {
-        free(xf);
+    float *xsv = calloc((size_t)M * XSV_STRIDE(G), sizeof(float));  /* 0: groups no step has */
+    if (!xs || !xq || !xsv) {
+        free(xs);
         free(xq);
         free(xsv);
         return -1;
     }
-    widen_x16(xf, M, K, xq, xs, xsv);
+    widen_x16(x, M, K, xq, xs, xsv);
+    int nb = block_rows(K / 2 + G * 4, 2);
 #pragma omp parallel num_threads(threads)
     {
         int lo, hi;
         thread_share(N, 2, &lo, &hi);
-        switch (M) {
-            case 1: int4_block(xf, xq, xs, xsv, 1, K, w, so, out, N, lo, hi); break;
-            case 2: int4_block(xf, xq, xs, xsv, 2, K, w, so, out, N, lo, hi); break;
-            case 3: int4_block(xf, xq, xs, xsv, 3, K, w, so, out, N, lo, hi); break;
-            case 4: int4_block(xf, xq, xs, xsv, 4, K, w, so, out, N, lo, hi); break;
-            case 5: int4_block(xf, xq, xs, xsv, 5, K, w, so, out, N, lo, hi); break;
-            case 6: int4_block(xf, xq, xs, xsv, 6, K, w, so, out, N, lo, hi); break;
-            case 7: int4_block(xf, xq, xs, xsv, 7, K, w, so, out, N, lo, hi); break;
-            default: int4_block(xf, xq, xs, xsv, 8, K, w, so, out, N, lo, hi); break;
+        for (int n0 = lo; n0 < hi; n0 += nb) {
+            int n1 = n0 + nb < hi ? n0 + nb : hi;
+            for (int m0 = 0; m0 < M; m0 += MR) {
+                const uint16_t *xm = x + (int64_t)m0 * K;
+                const int16_t *qm = xq + (int64_t)m0 * K;
+                const float *vm = xsv + (int64_t)m0 * XSV_STRIDE(G);
+                uint16_t *om = out + (int64_t)m0 * N;
+#define INT4_SPAN(mr) int4_span(xm, qm, xs + m0, vm, mr, K, w, so, om, N, n0, n1)
+                BY_ROWS(M - m0, INT4_SPAN)
+#undef INT4_SPAN
+            }
         }
     }
-    free(xf);
+    free(xs);
     free(xq);
     free(xsv);
     return 0;

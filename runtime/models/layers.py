@@ -114,7 +114,9 @@ class QuantWeight(nn.Module):
     ones; each holds its own packing of the same values (`kernel` says which).
 
     Steps of more than QUANT_MAX_ROWS rows (prefill) use `dense`, a bf16 copy dequantized from the
-    same values at load, unless it was dropped (quantized_prefill).
+    same values at load. Where it was dropped (quantized_prefill), weft's kernels multiply them in
+    float32 over the weight dequantized a panel at a time (kernels/csrc/quant_gemm.c), or torch's
+    packed kernels do where weft's do not run.
     """
 
     def __init__(self, form: str, parts: dict[str, torch.Tensor], dtype: torch.dtype):
@@ -171,23 +173,31 @@ class QuantWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
-        if self.dense is None:
-            return self._quantized(x, bias)
-        choice = _QUANT_ROWS.get() if self.native is not None else None
+        if self.native is None:
+            if self.dense is None or x.shape[0] <= QUANT_MAX_ROWS:
+                return self._quantized(x, bias)
+            return self._prompt(x, bias)
+        choice = _QUANT_ROWS.get()
         if choice is None or choice.total != x.shape[0]:
             # a step nobody described: its row count decides
             if x.shape[0] <= QUANT_MAX_ROWS:
                 return self._quantized(x, bias)
-            return self._dense(x, bias)
+            return self._prompt(x, bias)
         if choice.rows is None:
             return self._quantized(x, bias)
-        out = self._dense(x, bias)
+        out = self._prompt(x, bias)
         if len(choice.rows):  # NOTE: a mixed step: decode rows beside prompt tokens
             out[choice.rows] = self._quantized(x[choice.rows], bias)
         return out
 
-    def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        assert self.dense is not None
+    def _prompt(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Prompt rows: the dense copy's GEMM, or without it weft's float32 product of the
+        quantized weight, which gives a row the same bits in any product (one row included)."""
+        if self.dense is None:
+            assert self.native is not None
+            run = self.native.prompt_int4 if self.form == "int4" else self.native.prompt_int8
+            out = run(x, self.packed, self.scales)
+            return out if bias is None else out + bias
         if wants_f32(x):
             return f32_linear(x, self.dense, bias)
         if x.shape[0] == 1:

@@ -57,9 +57,9 @@ MAX_MISS_BACKOFF = 16
 # (at least MIN_DRAFT); one kept whole doubles it, up to speculative_num_draft_tokens. Rows the
 # model rejects cost forward rows and, under a grammar, a mask fill each.
 MIN_DRAFT = 2
-# speculative_max_step_rows unset. CPU: a decode step of more rows makes weft's kernels pass over
-# the weights again (kernels/cpu_native.MAX_ROWS): a batch of 4 drafting 7 each (32 rows) ran a
-# story 0.87x and JSON 0.69x of no speculation (RESULTS.md). CUDA: not measured; a verify step of
+# speculative_max_step_rows unset. CPU: each row of a step costs weft's kernels its products
+# (compute-bound past a few rows): a batch of 4 drafting 7 each (32 rows) ran a story 0.87x and
+# JSON 0.69x of no speculation (RESULTS.md). CUDA: not measured; a verify step of
 # 512 rows is past the memory-bound regime of an 8B model's GEMMs on an H100.
 STEP_ROWS = {"cpu": 8, "cuda": 512}
 # A draft row's cost, as a share of a one-row decode step, until steps of several row counts
