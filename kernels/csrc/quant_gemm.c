@@ -55,18 +55,6 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 #define GROUP 32        /* int4 group (KC is a multiple) */
 #define X_BLOCK_BYTES (384 << 10) /* KC columns of x's rows a block: within a core's L2 */
 
-/* The calling OpenMP thread's panels [lo, hi) of n. */
-static void thread_panels(int panels, int *lo, int *hi) {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void), omp_get_num_threads(void);
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    int t = 0, nt = 1;
-#endif
-    *lo = (int)((int64_t)panels * t / nt);
-    *hi = (int)((int64_t)panels * (t + 1) / nt);
-}
-
 /* Columns k0 .. k0 + kc - 1 of rows n0 .. n0 + NP - 1 of w into panel[(k - k0) * NP + j] (0 past
  * row N - 1). */
 static void panel_int8(const int8_t *w, const uint16_t *scale, int K, int N, int n0, int k0,
@@ -174,7 +162,7 @@ static int gemm(int form, const uint16_t *x, int M, int K, const void *w, const 
             failed = 1;
         } else {
             int lo, hi;
-            thread_panels(panels, &lo, &hi);
+            thread_share(panels, 1, &lo, &hi);
             for (int m0 = 0; m0 < M; m0 += mb) {
                 int m1 = m0 + mb < M ? m0 + mb : M;
                 for (int p = lo; p < hi; p++) {

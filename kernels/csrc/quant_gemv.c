@@ -93,20 +93,6 @@ typedef int32_t vi;
 /* Which vector path this build took: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (scalar C). */
 int weft_gemv_lanes(void) { return LANES; }
 
-/* The calling OpenMP thread's outputs [lo, hi) of n, in whole steps (the last thread takes the
-   rest). */
-static void thread_share(int n, int step, int *lo, int *hi) {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void), omp_get_num_threads(void);
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    int t = 0, nt = 1;
-#endif
-    int64_t units = n / step;
-    *lo = step * (int)(units * t / nt);
-    *hi = t == nt - 1 ? n : step * (int)(units * (t + 1) / nt);
-}
-
 /* Rows of w in a thread's block: BLOCK_BYTES of them, whole steps, at least one step. */
 static int block_rows(int64_t row_bytes, int step) {
     int64_t rows = BLOCK_BYTES / row_bytes / step * step;
