@@ -72,7 +72,8 @@ def test_int4_matches_its_twin(gemv, n, k, m):
     _assert_within_x16_rounding(got, expected, w, x)
 
 
-# quant_gemm.c: panels of 16 (AVX2) or 32 rows of w, 128 columns, tiles of 6 rows of x
+# quant_gemm.c: panels of 64 rows of w and 64 columns, tiles of 6 rows of x and 16 (AVX2) or 32
+# rows of w
 GEMM_SHAPES = [(37, 200, "int8"), (5, 24, "int8"), (70, 384, "int4"), (34, 96, "int4")]
 
 
@@ -108,8 +109,9 @@ def test_a_row_gets_the_same_bits_in_any_product(gemv):
     q8 = torch.randint(-127, 128, (40, 136), dtype=torch.int8, generator=g)
     scale = (torch.rand(40, generator=g) / 50).to(torch.bfloat16)
     packed, so = cpu_gemv.pack_int4(*_int4_weight(36, 160, seed=2))
-    x8 = torch.randn(800, 136, generator=g).to(torch.bfloat16)  # > a block of rows (768)
-    x4 = torch.randn(800, 160, generator=g).to(torch.bfloat16)
+    # > a block of rows (quant_gemm.c: 1536), > a call's (cpu_native.CALL_ROWS: 1024)
+    x8 = torch.randn(1600, 136, generator=g).to(torch.bfloat16)
+    x4 = torch.randn(1600, 160, generator=g).to(torch.bfloat16)
     products = [
         (gemv.int8, x8, q8, scale),
         (gemv.int4, x4, packed, so),
@@ -121,7 +123,7 @@ def test_a_row_gets_the_same_bits_in_any_product(gemv):
         for run, x, w, s in products:
             whole = run(x, w, s)
             torch.set_num_threads(1)
-            for lo, hi in ((0, 1), (797, 800), (3, 20), (100, 107), (0, 800)):
+            for lo, hi in ((0, 1), (1597, 1600), (3, 20), (100, 107), (1530, 1545)):
                 assert torch.equal(run(x[lo:hi], w, s), whole[lo:hi]), (run.__name__, lo, hi)
             torch.set_num_threads(before)
     finally:

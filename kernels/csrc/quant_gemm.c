@@ -5,11 +5,11 @@
  * for 16 products, the weight widened again for every few rows of x. Past a few rows that is no
  * faster than float32 FMA (8 products an instruction) without AVX-512 VNNI, and on a CPU without
  * bf16 in hardware (AVX2, AVX-512 without AVX512_BF16) torch's bf16 GEMM is emulated at a
- * quarter of its float32 rate. Here each thread dequantizes KC columns of NP rows of w (a panel,
- * float32 [KC][NP], in L1) into its own buffer once per block of x's rows, and an RM x NP tile
- * of the output is summed in RM * 2 vector registers, one FMA a product, carried in float32
- * from one panel of columns to the next: a blocked float32 GEMM whose weight comes from the
- * quantized form (no float32 or bf16 copy of the weight is held).
+ * quarter of its float32 rate. Here each thread dequantizes KC columns of NB rows of w (a panel,
+ * float32 [NB / NP][KC][NP]) into its own buffer once per block of x's rows; RM rows of x at a
+ * time pass over it, an RM x NP tile of the output summed in RM * 2 vector registers, one FMA a
+ * product, carried in float32 from one panel of columns to the next: a blocked float32 GEMM
+ * whose weight comes from the quantized form (no float32 or bf16 copy of the weight is held).
  *
  * The sum of out[m, n] is k = 0 .. K-1 in order, one FMA each, in its own lane: a row's bits
  * depend on its own row of x only, whatever rows, threads or blocks come with it (a prompt
@@ -50,24 +50,28 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 #endif
 
 #define RM 6            /* rows of x a tile holds: 6 x 2 accumulators, 2 of w, 1 of x: 15 of 16 */
-#define NP (2 * VL)     /* rows of w in a panel */
-#define KC 128          /* columns of a panel: KC x NP floats, 8 KB in AVX2, within L1 */
+#define NP (2 * VL)     /* rows of w a tile sums */
+#define NB 64           /* rows of w in a panel: NB / NP tiles' worth, for each rows of x read */
+#define KC 64           /* columns of a panel: KC x NB floats, 16 KB, within L1 */
 #define GROUP 32        /* int4 group (KC is a multiple) */
-#define X_BLOCK_BYTES (384 << 10) /* KC columns of x's rows a block: within a core's L2 */
+#define X_BLOCK_BYTES (384 << 10) /* KC columns of x's rows a block (1536 rows): within L2 */
 
-/* Columns k0 .. k0 + kc - 1 of rows n0 .. n0 + NP - 1 of w into panel[(k - k0) * NP + j] (0 past
- * row N - 1). */
+/* Where row j (of NB) and column k (of KC) of w sit in a panel: tile j / NP, [k][j % NP]. */
+static inline int at_panel(int j, int k) { return (j / NP) * KC * NP + k * NP + j % NP; }
+
+/* Columns k0 .. k0 + kc - 1 of rows n0 .. n0 + NB - 1 of w into the panel (0 past row N - 1). */
 static void panel_int8(const int8_t *w, const uint16_t *scale, int K, int N, int n0, int k0,
                        int kc, float *panel) {
-    for (int j = 0; j < NP; j++) {
+    for (int j = 0; j < NB; j++) {
+        float *p = panel + at_panel(j, 0);
         int n = n0 + j;
         if (n >= N) {
-            for (int k = 0; k < kc; k++) panel[k * NP + j] = 0.0f;
+            for (int k = 0; k < kc; k++) p[k * NP] = 0.0f;
             continue;
         }
         const int8_t *row = w + (int64_t)n * K + k0;
         float s = bf16_to_f32(scale[n]);
-        for (int k = 0; k < kc; k++) panel[k * NP + j] = (float)row[k] * s;
+        for (int k = 0; k < kc; k++) p[k * NP] = (float)row[k] * s;
     }
 }
 
@@ -75,17 +79,18 @@ static void panel_int8(const int8_t *w, const uint16_t *scale, int K, int N, int
 static void panel_int4(const uint8_t *w, const uint16_t *so, int K, int N, int n0, int k0,
                        int kc, float *panel) {
     int G = K / GROUP;
-    for (int j = 0; j < NP; j++) {
+    for (int j = 0; j < NB; j++) {
         int n = n0 + j;
         if (n >= N) {
-            for (int k = 0; k < kc; k++) panel[k * NP + j] = 0.0f;
+            float *p = panel + at_panel(j, 0);
+            for (int k = 0; k < kc; k++) p[k * NP] = 0.0f;
             continue;
         }
         for (int g = 0; g < kc / GROUP; g++) {
             int64_t at = (int64_t)n * G + k0 / GROUP + g;
             float s = bf16_to_f32(so[at * 2]), o = bf16_to_f32(so[at * 2 + 1]);
             const uint8_t *b = w + at * (GROUP / 2);
-            float *p = panel + g * GROUP * NP + j;
+            float *p = panel + at_panel(j, g * GROUP);
             for (int i = 0; i < GROUP / 2; i++) {
                 p[i * NP] = (float)(b[i] & 15) * s + o;
                 p[(i + GROUP / 2) * NP] = (float)(b[i] >> 4) * s + o;
@@ -94,8 +99,8 @@ static void panel_int4(const uint8_t *w, const uint16_t *so, int K, int N, int n
     }
 }
 
-/* acc rows 0 .. M - 1 (M <= RM, NP floats a row) += x rows (from column k0, row stride K) .
- * the panel's kc columns; acc starts at 0 where `first`. */
+/* acc rows 0 .. M - 1 (M <= RM, NB floats apart; NP of them here) += x rows (from column k0, row
+ * stride K) . a tile's kc columns of the panel; acc starts at 0 where `first`. */
 static inline __attribute__((always_inline)) void tile(const float *xf, int M, int K, int kc,
                                                        const float *panel, float *acc, int first) {
     vf c[RM][2];
@@ -104,8 +109,8 @@ static inline __attribute__((always_inline)) void tile(const float *xf, int M, i
         if (first) {
             c[m][0] = c[m][1] = (vf){0};
         } else {
-            memcpy(&c[m][0], acc + m * NP, sizeof(vf));
-            memcpy(&c[m][1], acc + m * NP + VL, sizeof(vf));
+            memcpy(&c[m][0], acc + m * NB, sizeof(vf));
+            memcpy(&c[m][1], acc + m * NB + VL, sizeof(vf));
         }
     }
     for (int k = 0; k < kc; k++) {
@@ -121,9 +126,16 @@ static inline __attribute__((always_inline)) void tile(const float *xf, int M, i
      * the stack, storing every accumulator each step (half the FMA rate) */
 #pragma GCC unroll 6
     for (int m = 0; m < M; m++) {
-        memcpy(acc + m * NP, &c[m][0], sizeof(vf));
-        memcpy(acc + m * NP + VL, &c[m][1], sizeof(vf));
+        memcpy(acc + m * NB, &c[m][0], sizeof(vf));
+        memcpy(acc + m * NB + VL, &c[m][1], sizeof(vf));
     }
+}
+
+/* M (<= RM) rows of x against each tile of the panel: the rows' kc columns stay in L1. */
+static inline __attribute__((always_inline)) void tile_row(const float *xf, int M, int K, int kc,
+                                                           const float *panel, float *acc,
+                                                           int first) {
+    for (int t = 0; t < NB / NP; t++) tile(xf, M, K, kc, panel + t * KC * NP, acc + t * NP, first);
 }
 
 /* Rows m0 .. m1 - 1 of x against the panel (columns k0 .. k0 + kc - 1), RM at a time; acc holds
@@ -132,15 +144,15 @@ static void tiles(const float *xf, int m0, int m1, int K, int k0, int kc, const 
                   float *acc, int first) {
     int m = m0;
     for (; m + RM <= m1; m += RM)
-        tile(xf + (int64_t)m * K + k0, RM, K, kc, panel, acc + (int64_t)(m - m0) * NP, first);
+        tile_row(xf + (int64_t)m * K + k0, RM, K, kc, panel, acc + (int64_t)(m - m0) * NB, first);
     const float *xm = xf + (int64_t)m * K + k0;
-    float *am = acc + (int64_t)(m - m0) * NP;
+    float *am = acc + (int64_t)(m - m0) * NB;
     switch (m1 - m) {
-        case 5: tile(xm, 5, K, kc, panel, am, first); break;
-        case 4: tile(xm, 4, K, kc, panel, am, first); break;
-        case 3: tile(xm, 3, K, kc, panel, am, first); break;
-        case 2: tile(xm, 2, K, kc, panel, am, first); break;
-        case 1: tile(xm, 1, K, kc, panel, am, first); break;
+        case 5: tile_row(xm, 5, K, kc, panel, am, first); break;
+        case 4: tile_row(xm, 4, K, kc, panel, am, first); break;
+        case 3: tile_row(xm, 3, K, kc, panel, am, first); break;
+        case 2: tile_row(xm, 2, K, kc, panel, am, first); break;
+        case 1: tile_row(xm, 1, K, kc, panel, am, first); break;
         default: break;
     }
 }
@@ -153,11 +165,11 @@ static int gemm(int form, const uint16_t *x, int M, int K, const void *w, const 
     if (!xf) return -1;
     for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
     const int mb = X_BLOCK_BYTES / (KC * 4) / RM * RM;
-    int panels = (N + NP - 1) / NP, failed = 0;
+    int panels = (N + NB - 1) / NB, failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *panel = aligned_alloc(64, KC * NP * sizeof(float));
-        float *acc = aligned_alloc(64, (size_t)mb * NP * sizeof(float));
+        float *panel = aligned_alloc(64, KC * NB * sizeof(float));
+        float *acc = aligned_alloc(64, (size_t)mb * NB * sizeof(float));
         if (!panel || !acc) {
             failed = 1;
         } else {
@@ -166,7 +178,7 @@ static int gemm(int form, const uint16_t *x, int M, int K, const void *w, const 
             for (int m0 = 0; m0 < M; m0 += mb) {
                 int m1 = m0 + mb < M ? m0 + mb : M;
                 for (int p = lo; p < hi; p++) {
-                    int n0 = p * NP, cols = N - n0 < NP ? N - n0 : NP;
+                    int n0 = p * NB, cols = N - n0 < NB ? N - n0 : NB;
                     for (int k0 = 0; k0 < K; k0 += KC) {
                         int kc = K - k0 < KC ? K - k0 : KC;
                         if (form == 8)
@@ -177,7 +189,7 @@ static int gemm(int form, const uint16_t *x, int M, int K, const void *w, const 
                     }
                     for (int m = m0; m < m1; m++)
                         for (int j = 0; j < cols; j++)
-                            out[(int64_t)m * N + n0 + j] = f32_to_bf16(acc[(int64_t)(m - m0) * NP + j]);
+                            out[(int64_t)m * N + n0 + j] = f32_to_bf16(acc[(int64_t)(m - m0) * NB + j]);
                 }
             }
         }
