@@ -80,8 +80,9 @@ def quantized_prefill(config: EngineConfig, quantized: list[QuantWeight]) -> boo
     (quantized_prefill), or on a CPU without bf16 in hardware where weft's kernels run and the
     float32 products are off. There torch emulates a bf16 GEMM at ~a quarter of its float32
     rate; weft's float32 product of the quantized weight, dequantized a panel at a time
-    (kernels/csrc/quant_gemm.c), ran 2-core AMD EPYC capped to AVX2 prompts at 1.5x the copy's
-    rate (benchmarks/RESULTS.md), and the copy's memory (2 bytes a weight) is not held."""
+    (kernels/csrc/quant_gemm.c), prefilled 140-164 tok/s on a 2-core AVX2 AMD EPYC where the
+    copy's float32 products did 109 and the int16 kernels 94-97 (benchmarks/RESULTS.md), and the
+    copy's memory (2 bytes a weight) is not held."""
     if config.quantized_prefill:
         return True
     native = bool(quantized) and quantized[0].native is not None

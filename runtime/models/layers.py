@@ -82,8 +82,9 @@ class QuantRows:
     decodes in, nor on whether its request speculates (a verify step of 8 rows must compute what
     8 decode steps would); and prompt tokens through the dense copy whatever their count
     (prefill speed), whose GEMM gives a row the same bits in any product of 2 rows or more here
-    (a single row is multiplied as two: `_dense`), so a prompt computes alike whole, in chunks,
-    or after a cached prefix (tests/test_speculative.py checks the repeat).
+    (a single row is multiplied as two: `_prompt`), or without the copy through weft's float32
+    product (row-invariant), so a prompt computes alike whole, in chunks, or after a cached
+    prefix (tests/test_speculative.py checks the repeat).
     """
 
     total: int  # T: a linear of another row count (none in the models now) keeps the default
