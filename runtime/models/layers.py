@@ -88,7 +88,7 @@ class QuantRows:
     """
 
     total: int  # T: a linear of another row count (none in the models now) keeps the default
-    rows: torch.Tensor | None = None  # empty: every row takes the dense copy
+    rows: torch.Tensor | None = None  # empty: every row is a prompt's (the dense copy's)
 
 
 _QUANT_ROWS: contextvars.ContextVar[QuantRows | None] = contextvars.ContextVar(
