@@ -109,8 +109,8 @@ def test_a_row_gets_the_same_bits_in_any_product(gemv):
     q8 = torch.randint(-127, 128, (40, 136), dtype=torch.int8, generator=g)
     scale = (torch.rand(40, generator=g) / 50).to(torch.bfloat16)
     packed, so = cpu_gemv.pack_int4(*_int4_weight(36, 160, seed=2))
-    # > a call's rows (cpu_native.CALL_ROWS: 1024); quant_gemm.c's blocks of 1536 rows are
-    # crossed within one call only past it
+    # > a call's rows (cpu_native.CALL_ROWS: 1024); quant_gemm.c's 1536-row blocks are never
+    # crossed through Python (a call holds at most 1024 rows)
     x8 = torch.randn(1600, 136, generator=g).to(torch.bfloat16)
     x4 = torch.randn(1600, 160, generator=g).to(torch.bfloat16)
     products = [
