@@ -174,11 +174,9 @@ class QuantWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
-        if self.native is None:
-            if self.dense is None or x.shape[0] <= QUANT_MAX_ROWS:
-                return self._quantized(x, bias)
-            return self._prompt(x, bias)
-        choice = _QUANT_ROWS.get()
+        if self.native is None and self.dense is None:
+            return self._quantized(x, bias)  # torch's packed kernels: no other product
+        choice = _QUANT_ROWS.get() if self.native is not None else None
         if choice is None or choice.total != x.shape[0]:
             # a step nobody described: its row count decides
             if x.shape[0] <= QUANT_MAX_ROWS:
