@@ -59,13 +59,15 @@ MAX_MISS_BACKOFF = 16
 MIN_DRAFT = 2
 # speculative_max_step_rows unset. CPU: each row of a step costs weft's kernels its products
 # (compute-bound past a few rows): a batch of 4 drafting 7 each (32 rows) ran a story 0.87x and
-# JSON 0.69x of no speculation (RESULTS.md). CUDA: not measured; a verify step of
-# 512 rows is past the memory-bound regime of an 8B model's GEMMs on an H100.
+# JSON 0.69x of no speculation (RESULTS.md). CUDA: a verify step of an 8B model on an H100
+# costs 1.18 decode steps at 1 + 7 rows and 1.76 at 32 x 8 rows (graphs replayed), ~3 steps
+# eagerly (RESULTS.md); past 512 rows the GEMMs are compute-bound.
 STEP_ROWS = {"cpu": 8, "cuda": 512}
 # A draft row's cost, as a share of a one-row decode step, until steps of several row counts
 # are timed (StepCost): on this CPU a row adds ~15 % (a step of 1 row 25 ms, of 8 rows 51 ms:
 # int4 products are compute-bound past one row, RESULTS.md); a GPU's small steps are bound by
-# reading the weights, so rows cost ~nothing there (and are not timed: the overlap schedule).
+# reading the weights, so rows cost ~nothing there (H100, 8B: 224 more rows at batch 32 add
+# 0.76 of a step, ~0.3 % a row; not timed: the overlap schedule).
 ROW_COST_PRIOR = {"cpu": 0.15, "cuda": 0.0}
 # A request's chance that its next draft token is kept: (K + 1) / (K + R + 2) over its kept
 # tokens K and rejections R, each decayed by this at every verify (drafts come in bursts: a
