@@ -51,6 +51,7 @@ logger = logging.getLogger("weft")
 STARTUP_POLL_MS = 200
 FATAL_GRACE_MS = 5000
 CHILD_STOP_TIMEOUT_S = 5.0
+OPENMP_SPIN_COUNT = 10_000  # GOMP_SPINCOUNT of the children: ~0.1 ms (ChildProcesses.start)
 # uvicorn's own graceful shutdown, after weft's drain: only answers already decided (the last
 # chunks of streams, 503s) are still being written then
 GRACEFUL_SHUTDOWN_S = 5
@@ -73,10 +74,14 @@ class ChildProcesses:
         # would copy in a locked state.
         ctx = multiprocessing.get_context("spawn")
         me = os.getpid()
-        # NOTE: OpenMP threads that spin while waiting (the default) starve the other server
-        # processes on a small CPU machine and run ~10x slower there; passive waiting costs
-        # nothing measurable. Read by the children's OpenMP runtime at start (env inherited).
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # NOTE: how long the scheduler's idle OpenMP threads spin before they sleep (read by
+        # the children's OpenMP runtime at start, env inherited; unless the user set either).
+        # libgomp's default (~300k spins, milliseconds) starved the other server processes on a
+        # 2-core machine; passive waits (none) put a sleep and a wake-up into every torch op of
+        # a step: single-stream decode 23-25 tok/s against 30-34 with OPENMP_SPIN_COUNT
+        # (RESULTS.md, bench_serving), which spins through the gaps between a step's ops only.
+        if "OMP_WAIT_POLICY" not in os.environ:
+            os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN_COUNT))
         detokenizer_args = (source.tokenizer_folder, config.log_level, ipc, me)
         targets: list[tuple[str, Any, tuple[Any, ...]]] = [
             ("scheduler", scheduler_main, (config, source, ipc, me)),
