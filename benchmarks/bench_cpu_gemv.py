@@ -5,6 +5,12 @@ weight that none is in the caches (at least 256 MB in all). Baseline measured in
 the copy bandwidth (bytes read + written of a 512 MB copy, benchmarks/common.py).
 
     python benchmarks/bench_cpu_gemv.py [--threads 2] [--rows 1 4 8]
+
+With --prompt-rows, prompts' products instead (kernels/csrc/quant_gemm.c: float32 sums over the
+weight dequantized a panel at a time), compute-bound: GFLOP/s (2 M N K / time) against torch's
+float32 matmul of the same rows and the dequantized float32 weight, measured in the same run:
+
+    python benchmarks/bench_cpu_gemv.py --threads 2 --prompt-rows 128 512 1024
 """
 
 from __future__ import annotations
@@ -99,13 +105,59 @@ def layer(name: str, n: int, k: int, form: str, rows: list[int], native, repeats
         )
 
 
+def prompt_layer(
+    name: str, n: int, k: int, form: str, rows: list[int], native, repeats: int
+) -> None:
+    """weft's float32 prompt product against torch's float32 matmul (weights in the caches where
+    they fit: at these rows the products, not the bytes, take the time)."""
+    g = torch.Generator().manual_seed(0)
+    if form == "int8":
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        scale = (torch.rand(n, generator=g) / 50).to(torch.bfloat16)
+        ours, run = (q, scale), native.prompt_int8
+    else:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        scale, zero = torch.rand(n, k // 32, generator=g) / 20, torch.randn(n, k // 32) / 10
+        ours, run = cpu_gemv.pack_int4(q, scale, zero), native.prompt_int4
+    dense = torch.randn(n, k, generator=g)  # (its values do not move a float32 matmul's time)
+    for m in rows:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        xf = x.float()
+        t_ours = best_ms(lambda i, x=x: run(x, *ours), 1, repeats)
+        t_f32 = best_ms(lambda i, xf=xf: F.linear(xf, dense), 1, repeats)
+        flop = 2 * m * n * k / 1e6
+        print(
+            f"| {name} {n} x {k} | {form} | {m} | {t_ours:.2f} | {flop / t_ours:.1f} | "
+            f"{t_f32:.2f} | {flop / t_f32:.1f} | {t_f32 / t_ours:.2f}x |",
+            flush=True,
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--prompt-rows",
+        type=int,
+        nargs="+",
+        default=None,
+        help="time prompts' float32 products at these row counts instead",
+    )
     args = p.parse_args()
     native = cpu_kernels_or_exit(args.threads)
+    if args.prompt_rows:
+        print(f"# device: {describe_device(torch.device('cpu'))}; weft's {native.isa} kernels")
+        print(f"# prompt products on {torch.get_num_threads()} threads; GFLOP/s = 2 M N K / time")
+        print(
+            "| layer | form | rows | weft ms | weft GFLOP/s | torch float32 ms | "
+            "torch GFLOP/s | torch / weft |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for name, n, k, form in SHAPES[:-1]:  # (a prompt's lm_head takes its last rows only)
+            prompt_layer(name, n, k, form, args.prompt_rows, native, args.repeats)
+        return
     copy = copy_bandwidth(torch.device("cpu"))
     print(f"# device: {describe_device(torch.device('cpu'))}; weft's {native.isa} kernels")
     print(f"# copy bandwidth (read + write): {copy:.1f} GB/s")
