@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import statistics
@@ -220,7 +221,7 @@ def main() -> None:
         if label == "radix cache on":
             # (on the engine's thread: a second thread's OpenMP work would slow the engine's
             # steps from then on, runtime/engine_thread.py)
-            bw = engine.call(lambda: copy_bandwidth(device))
+            bw = engine.call(functools.partial(copy_bandwidth, device))
             weight_bytes = decode_weight_bytes(engine.runner.model)
             single = single_stream_decode(engine, vocab, args.output_len)
             prefill = prefill_rate(engine, vocab, args.prefill_len)
