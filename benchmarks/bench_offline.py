@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import json
 import statistics
@@ -212,16 +211,15 @@ def main() -> None:
         device = engine.runner.device
         prompts = build_workload(args, vocab)
         if label == "radix cache on":
-            # (before the batch run, and again after it: what the batch leaves behind shows)
+            # NOTE: first, while only the main thread has run torch work (see RESULTS.md: OpenMP
+            # kernels slow down once another thread has used them, on the 2-core CPU)
             single_fresh = single_stream_decode(engine, vocab, args.output_len)
         print(f"[{label}] {len(prompts)} requests, warming up ...", flush=True)
         asyncio.run(run_workload(engine, prompts[:1], 4))
         engine.flush_cache()
         results[label] = asyncio.run(run_workload(engine, prompts, args.output_len))
         if label == "radix cache on":
-            # (on the engine's thread: a second thread's OpenMP work would slow the engine's
-            # steps from then on, runtime/engine_thread.py)
-            bw = engine.call(functools.partial(copy_bandwidth, device))
+            bw = copy_bandwidth(device)
             weight_bytes = decode_weight_bytes(engine.runner.model)
             single = single_stream_decode(engine, vocab, args.output_len)
             prefill = prefill_rate(engine, vocab, args.prefill_len)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias, TypedDict, Unpack
@@ -67,7 +68,7 @@ class Engine(EngineThread):
             torch.set_num_threads(self.config.num_threads)
         started = time.perf_counter()
         self.source = resolve_source(self.config)
-        self._start_thread(lambda: build_scheduler(self.config, self.source))
+        self.scheduler = build_scheduler(self.config, self.source)
         self.tokenizer, self.end_ids = self.scheduler.tokenizer, self.scheduler.end_ids
         self.runner = self.scheduler.runner
         self.model_config = self.runner.model_config
@@ -78,6 +79,7 @@ class Engine(EngineThread):
             limits=self.config.request_limits,
         )
         self.intake = Intake(self.tokenizer, bounds)
+        self._start_thread()
         logger.info("engine ready in %.1f s", time.perf_counter() - started)
 
     # ---- public API ---------------------------------------------------------------------
@@ -100,6 +102,8 @@ class Engine(EngineThread):
         self._check_not_stepping("generate")
         reqs, single = self._build(prompt, sampling_params, request)
         pendings = self._submit(reqs)
+        if threading.current_thread() is threading.main_thread():
+            self._drive(pendings)
         for p in pendings:
             p.done.wait()
         outputs = [self._collect(p) for p in pendings]

@@ -1,22 +1,12 @@
 """The thread that steps `weft.Engine`'s scheduler, and hands results back to the callers.
 
 The Engine's half that runs requests: an inbox of the scheduler's own messages (plus calls to
-run between steps), one step at a time on the engine thread, and each step's progress delivered
-to its waiters.
-
-NOTE: the engine thread also builds the scheduler (loads the model, warms it up): every torch
-op of an Engine runs on that one thread. Each thread that starts OpenMP work gets a team of its
-own, and once a process's OpenMP threads outnumber its cores, libgomp's idle threads stop
-spinning and sleep between regions (its "throttled" spin count): every later region then waits
-for a sleeping thread's wake-up. On a 2-core CPU a second such thread (the model loaded on the
-caller's thread, stepped on this one) made each small torch op ~1.6x slower (a 896 x 896 bf16
-`torch.mv`: 93-117 us with one thread, 155-181 us with two, back to 91 us once the second
-exited) and slowed every step of the Engine after the first async request.
+run between steps), one step at a time under a lock, on the engine thread or on a main thread
+that blocks in `generate` (`_drive`), and each step's progress delivered to its waiters.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Callable
@@ -70,69 +60,30 @@ class _Call:
 _Inbox: TypeAlias = _Submit | to_sched.Abort | _Call
 
 
-def _return_freed_memory() -> None:
-    """Hand the memory freed in this process's malloc arenas back to the system (glibc's
-    malloc_trim; nothing elsewhere).
-
-    NOTE: glibc gives each thread that allocates a malloc arena of its own, and memory freed in
-    an arena stays with it. An Engine's build (GGUF dequantization, the warm-up) frees GBs of
-    temporaries in its thread's arena; engines built one after another on threads of their own
-    each left theirs resident (+1.6 GB an Engine of the default model, built and shut down in a
-    loop: the test suite ran out of memory). Trimming after each build returns them: the
-    previous engines' freed memory included (malloc_trim walks every arena)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
 class EngineThread:
-    """The stepping half of `weft.Engine` (a base class: the Engine calls `_start_thread` with
-    what builds its scheduler)."""
+    """The stepping half of `weft.Engine` (a base class: the Engine sets `scheduler`, then calls
+    `_start_thread`)."""
 
     scheduler: Scheduler
 
-    def _start_thread(self, build: Callable[[], Scheduler]) -> None:
-        """Start the engine thread, which builds the scheduler (module NOTE) and then steps it;
-        returns once it is built, or raises what the build raised."""
+    def _start_thread(self) -> None:
         self._pending: dict[str, _Pending] = {}
         self._inbox: list[_Inbox] = []
         self._cv = threading.Condition()
         self._stopped = False
+        self._step_lock = threading.Lock()  # one scheduler step at a time, whichever thread
+        self._foreground = 0  # callers stepping the scheduler on their own thread (see _drive)
+        self._stepper: int | None = None  # the thread inside _run_once (see _check_not_stepping)
         self._broken: BaseException | None = None
-        built = _Call(build)
-        self._thread = threading.Thread(
-            target=self._main, args=(built,), name="weft-engine", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name="weft-engine", daemon=True)
         self._thread.start()
-        built.done.wait()
-        if "error" in built.box:
-            raise built.box["error"]
-
-    def _main(self, built: _Call) -> None:
-        try:
-            self.scheduler = built.fn()
-            _return_freed_memory()
-        except BaseException as exc:  # raised on the caller's thread (_start_thread)
-            built.box["error"] = exc
-            return
-        finally:
-            built.done.set()
-        self._loop()
-
-    @property
-    def _on_engine_thread(self) -> bool:
-        return threading.current_thread() is self._thread
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the thread that steps the scheduler, between steps, and return its result.
 
         Called from that thread itself (inside a function given to `call`), fn runs at once,
         inline: it is between steps already, and posting fn would wait for itself forever."""
-        if self._on_engine_thread:
+        if self._stepper == threading.get_ident():
             return fn()
         item = _Call(fn)
         self._post(item)
@@ -175,40 +126,69 @@ class EngineThread:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and not self._inbox and not self.scheduler.has_work:
+                while not self._stopped and (
+                    self._foreground or (not self._inbox and not self.scheduler.has_work)
+                ):
                     self._cv.wait()
                 if self._stopped:
                     break
             if not self._run_once():
                 return
-        self._fail_all(RuntimeError("the engine was shut down"), [])
+        with self._step_lock:
+            self._fail_all(RuntimeError("the engine was shut down"), [])
 
     def _run_once(self) -> bool:
         """Handle the inbox, then run one scheduler step; False once the engine has failed."""
-        with self._cv:
-            inbox, self._inbox = self._inbox, []
-        try:
-            while inbox:
-                self._handle(inbox.pop(0))
-            if self.scheduler.has_work:
-                self._dispatch(self.scheduler.step())
-        except BaseException as exc:
-            logger.exception("engine step failed")
+        with self._step_lock:
+            if self._broken is not None:
+                return False
+            self._stepper = threading.get_ident()
             with self._cv:
-                self._broken = exc
-            self._fail_all(exc, inbox)
-            return False
+                inbox, self._inbox = self._inbox, []
+            try:
+                while inbox:
+                    self._handle(inbox.pop(0))
+                if self.scheduler.has_work:
+                    self._dispatch(self.scheduler.step())
+            except BaseException as exc:
+                logger.exception("engine step failed")
+                with self._cv:
+                    self._broken = exc
+                self._fail_all(exc, inbox)
+                return False
+            finally:
+                self._stepper = None
         return True
 
     def _check_not_stepping(self, name: str) -> None:
         """Refuse a blocking request from the thread that runs the steps it would wait for."""
-        if self._on_engine_thread:
+        if self._stepper == threading.get_ident():
             raise RuntimeError(
                 f"Engine.{name}() was called on the engine's own thread (inside a function "
                 "given to Engine.call): it would wait for a step only this thread can run. "
                 "Call it from another thread (e.g. a concurrent.futures.ThreadPoolExecutor), "
                 "or, inside call(), use engine.scheduler directly"
             )
+
+    def _drive(self, pendings: list[_Pending]) -> None:
+        """Run the steps on this (the main) thread until these requests are done.
+
+        NOTE: measured on a 2-core CPU, torch's OpenMP kernels run ~25 % slower when called from
+        a thread other than the main one, so a blocking generate() on the main thread steps the
+        scheduler itself; the engine thread sleeps meanwhile (`_foreground`).
+        """
+        with self._cv:
+            self._foreground += 1
+        try:
+            while not all(p.done.is_set() for p in pendings):
+                with self._cv:
+                    idle = not self._inbox and not self.scheduler.has_work
+                if self._stopped or idle or not self._run_once():
+                    break
+        finally:
+            with self._cv:
+                self._foreground -= 1
+                self._cv.notify()
 
     def _handle(self, item: _Inbox) -> None:
         match item:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
+import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -250,40 +253,50 @@ async def _first(chunks: Any) -> Any:
         return chunk
 
 
-def test_every_forward_runs_on_the_engine_thread(stories_dir, monkeypatch):
-    # One thread runs all of an Engine's torch work, the model's warm-up included: a second
-    # thread starting OpenMP work makes libgomp's idle threads sleep between regions, and each
-    # small op waits for a wake-up from then on (engine_thread's NOTE).
-    from weft.runtime.model_runner import ModelRunner
+@contextlib.contextmanager
+def _main_thread_deadline(seconds: float) -> Iterator[None]:
+    """A deadlock of the main thread raises TimeoutError there instead of hanging the suite."""
 
-    threads: list[int] = []
-    forward = ModelRunner.forward
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still waiting after {seconds} s: deadlock")
 
-    def recorded(self, batch):
-        threads.append(threading.get_ident())
-        return forward(self, batch)
-
-    monkeypatch.setattr(ModelRunner, "forward", recorded)
-    eng = make_engine(stories_dir, max_total_tokens=1024)
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        warm_up = len(threads)
-        eng.generate(input_ids=[1, 403], sampling_params={"max_new_tokens": 3})
-        asyncio.run(eng.async_generate(input_ids=[1, 404], sampling_params={"max_new_tokens": 3}))
-        done = threading.Thread(target=lambda: eng.generate(input_ids=[1, 405]))
-        done.start()
-        done.join(30)
+        yield
     finally:
-        eng.shutdown()
-    assert warm_up > 0 and len(threads) > warm_up + 3
-    assert set(threads) == {eng._thread.ident}
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
-def test_a_failed_build_raises_on_the_callers_thread(stories_dir):
-    # (the engine thread builds the scheduler: what it raises reaches Engine()'s caller)
-    with pytest.raises(FileNotFoundError, match="speculative_draft_model_path '/nonexistent'"):
-        Engine(
-            str(stories_dir),
-            speculative_algorithm="draft",
-            speculative_draft_model_path="/nonexistent",
-            show_progress=False,
-        )
+def test_generate_inside_call_run_by_a_main_thread_generate_fails_fast(own_engine):
+    # A blocking generate() on the main thread steps the scheduler itself, so a call() posted
+    # meanwhile runs there, under the step lock: a generate() inside it took that lock again.
+    eng = own_engine
+    assert threading.current_thread() is threading.main_thread()
+    with eng._cv:  # the engine thread sleeps: the main thread's generate takes the call
+        eng._foreground += 1
+    caller: dict[str, Any] = {}
+
+    def post_call() -> None:
+        try:
+            eng.call(lambda: eng.generate(input_ids=[1, 403]))
+        except BaseException as exc:
+            caller["error"] = exc
+
+    poster = threading.Thread(target=post_call, daemon=True)
+    try:
+        poster.start()
+        while not eng._inbox and poster.is_alive():
+            poster.join(0.01)
+        with _main_thread_deadline(20):
+            out = eng.generate(input_ids=[1, 404], sampling_params={"max_new_tokens": 3})
+        poster.join(20)
+    finally:
+        with eng._cv:
+            eng._foreground -= 1
+            eng._cv.notify()
+    assert not poster.is_alive()
+    assert len(out["output_ids"]) == 3
+    assert isinstance(caller["error"], RuntimeError)
+    assert caller["error"].args[0].startswith("Engine.generate() was called on the engine's own")
