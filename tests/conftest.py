@@ -210,8 +210,7 @@ def qwen_engine() -> Any:
 
 
 def make_engine(model_path, **kwargs):
-    """An Engine registered for the after-test integrity audit (and shut down when the module
-    ends)."""
+    """An Engine registered for the after-test integrity audit (and shut down at session end)."""
     from weft import Engine
 
     kwargs.setdefault("show_progress", False)
@@ -234,19 +233,6 @@ def _audit_kv_integrity():
         stats = engine.memory_stats()
         assert stats["in_use"] == 0, f"KV still held after the test: {stats}"
         assert stats.get("draft_in_use", 0) == 0, f"draft KV still held after the test: {stats}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stop_the_modules_engines():
-    """A module's engines stop when it ends (the shared default-model engine lives on): kept for
-    the whole session, they held ~13 GB by three quarters of the suite (RESULTS.md)."""
-    yield
-    shared = _qwen_engine() if _qwen_engine.cache_info().currsize else None
-    for engine in list(_LIVE_ENGINES):
-        if engine is not shared:
-            _LIVE_ENGINES.remove(engine)
-            if not engine._stopped:
-                engine.shutdown()
 
 
 def pytest_sessionfinish(session, exitstatus):
