@@ -147,8 +147,8 @@ def main() -> None:
     )
     args = p.parse_args()
     native = cpu_kernels_or_exit(args.threads)
+    print(f"# device: {describe_device(torch.device('cpu'))}; weft's {native.isa} kernels")
     if args.prompt_rows:
-        print(f"# device: {describe_device(torch.device('cpu'))}; weft's {native.isa} kernels")
         print(f"# prompt products on {torch.get_num_threads()} threads; GFLOP/s = 2 M N K / time")
         print(
             "| layer | form | rows | weft ms | weft GFLOP/s | torch float32 ms | "
@@ -159,7 +159,6 @@ def main() -> None:
             prompt_layer(name, n, k, form, args.prompt_rows, native, args.repeats)
         return
     copy = copy_bandwidth(torch.device("cpu"))
-    print(f"# device: {describe_device(torch.device('cpu'))}; weft's {native.isa} kernels")
     print(f"# copy bandwidth (read + write): {copy:.1f} GB/s")
     print("# ms a call, each on the next of >= 256 MB of copies of the weight (none cached)")
     print(
